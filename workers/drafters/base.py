@@ -1,0 +1,50 @@
+"""The drafter interface: propose k tokens for the engine to verify.
+
+A drafter object is shared by every request on a replica; per-request state (a KV cache, an
+n-gram index) lives in the object `begin` returns. Drafters never choose their own k: the
+engine (and, above it, the policy) does. Capabilities are declared as class attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from workers.sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    token_ids: torch.Tensor  # [k'] int64, k' <= k (a drafter may propose fewer, even none)
+    probs: torch.Tensor | None = None  # [k', vocab] proposal distribution; None = deterministic
+
+
+@dataclass
+class DraftContext:
+    """What a drafter may read when proposing for one request."""
+
+    token_ids: list[int]  # prompt + generated so far (the engine appends; drafters only read)
+    params: SamplingParams
+    generator: torch.Generator
+
+
+class Drafter(Protocol):
+    name: str
+    needs_hidden_states: ClassVar[bool]
+
+    def begin(self, ctx: DraftContext) -> Any:
+        """Per-request state, created when the drafter is first used for a request."""
+        ...
+
+    def propose(self, state: Any, ctx: DraftContext, k: int) -> Draft: ...
+
+    def commit(self, state: Any, ctx: DraftContext, num_new: int, num_accepted: int) -> None:
+        """The step appended num_new tokens to ctx.token_ids; the first num_accepted are this
+        drafter's own proposals, accepted by the target."""
+        ...
+
+    def end(self, state: Any) -> None:
+        """Release per-request resources."""
+        ...

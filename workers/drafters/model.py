@@ -1,0 +1,65 @@
+"""An independent small causal LM as drafter (SpS), with its own KV cache and rollback."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from workers.config import ModelDrafterConfig
+from workers.drafters.base import Draft, DraftContext
+from workers.models.base import CausalLM, KVCache
+from workers.sampling import probs_from_logits
+
+
+@dataclass
+class ModelDraftState:
+    cache: KVCache
+    num_cached: int = 0  # leading tokens of ctx.token_ids whose keys and values are in cache
+    num_draft_cached: int = 0  # own draft tokens fed after them during the last proposal
+
+
+class ModelDrafter:
+    needs_hidden_states: ClassVar[bool] = False
+
+    def __init__(self, config: ModelDrafterConfig, model: CausalLM) -> None:
+        self.config = config
+        self.name = config.name
+        self.model = model
+
+    def begin(self, ctx: DraftContext) -> ModelDraftState:
+        # the drafter never runs ahead of the target's cache: the request's budget bounds it
+        return ModelDraftState(cache=self.model.new_cache(len(ctx.token_ids) + ctx.params.max_tokens))
+
+    def propose(self, state: ModelDraftState, ctx: DraftContext, k: int) -> Draft:
+        device = self.model.device
+        pending = torch.tensor(ctx.token_ids[state.num_cached :], dtype=torch.long, device=device)
+        logits = self.model.forward(pending, state.cache, last_only=True).logits  # [1, vocab]
+        state.num_cached = len(ctx.token_ids)
+        token_ids: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for i in range(k):
+            if ctx.params.greedy:
+                token = logits[-1].argmax().view(1)
+            else:
+                p = probs_from_logits(logits[-1:], ctx.params)  # [1, vocab]
+                token = torch.multinomial(p[0], 1, generator=ctx.generator)
+                probs.append(p)
+            token_ids.append(token)
+            if i < k - 1:  # the last draft token is never fed: nothing would read its logits
+                logits = self.model.forward(token, state.cache).logits
+        state.num_draft_cached = max(k - 1, 0)
+        if not token_ids:
+            return Draft(torch.empty(0, dtype=torch.long, device=device))
+        return Draft(torch.cat(token_ids), torch.cat(probs) if probs else None)
+
+    def commit(self, state: ModelDraftState, ctx: DraftContext, num_new: int, num_accepted: int) -> None:
+        # cached drafts stay valid up to the first rejected one
+        keep = state.num_cached + min(num_accepted, state.num_draft_cached)
+        state.cache.truncate(keep)
+        state.num_cached = keep
+        state.num_draft_cached = 0
+
+    def end(self, state: ModelDraftState) -> None:
+        state.cache = None  # type: ignore[assignment]  # free the cache memory now

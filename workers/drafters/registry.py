@@ -1,0 +1,35 @@
+"""Drafter kinds by name, built from their configs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from workers.config import DrafterConfig, ModelDrafterConfig, NgramDrafterConfig
+from workers.drafters.base import Drafter
+from workers.drafters.model import ModelDrafter
+from workers.drafters.ngram import NgramDrafter
+from workers.target import LoadedModel, ModelLoadError, load_model
+
+DRAFTER_KINDS = ("ngram", "model")
+
+
+def _build_model_drafter(config: ModelDrafterConfig, target: LoadedModel) -> ModelDrafter:
+    loaded = load_model(config.model)
+    if loaded.model.info.vocab_size != target.model.info.vocab_size:
+        raise ModelLoadError(
+            f"drafter {config.name!r}: vocabulary size {loaded.model.info.vocab_size} does not "
+            f"match the target's {target.model.info.vocab_size}"
+        )
+    return ModelDrafter(config, loaded.model)
+
+
+def build_drafter(config: DrafterConfig, target: LoadedModel) -> Drafter:
+    if isinstance(config, NgramDrafterConfig):
+        return NgramDrafter(config)
+    if isinstance(config, ModelDrafterConfig):
+        return _build_model_drafter(config, target)
+    raise TypeError(f"unknown drafter config {type(config).__name__}")
+
+
+def build_drafters(configs: Sequence[DrafterConfig], target: LoadedModel) -> dict[str, Drafter]:
+    return {c.name: build_drafter(c, target) for c in configs}

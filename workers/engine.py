@@ -1,0 +1,309 @@
+"""The speculative decoding loop.
+
+One step: the drafter proposes k tokens; the target runs one forward over [last token + draft];
+verification keeps the agreed prefix plus one recovered or bonus token; the target's KV cache is
+rolled back to the kept prefix; the drafter is told what was kept. Plain decoding is the same
+step with k = 0. A request is a `Generation`; its caller chooses drafter and k before every
+step, so a policy can adapt them mid-request and a server can interleave requests step by step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from workers.config import EngineConfig
+from workers.drafters.base import Draft, DraftContext, Drafter
+from workers.drafters.registry import build_drafters
+from workers.sampling import SamplingParams, make_generator, probs_from_logits
+from workers.target import LoadedModel, load_model
+from workers.verify import VerifyResult, verify_greedy, verify_sampled
+
+log = logging.getLogger(__name__)
+
+PLAIN = "none"  # the drafter name of plain decoding
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    drafter: str  # PLAIN for a step without a draft
+    draft_len: int  # k asked for (after clipping to the token budget)
+    num_draft_tokens: int  # k' the drafter proposed
+    num_accepted: int
+    num_emitted: int  # tokens appended after EOS / stop / max_tokens trimming
+    draft_s: float
+    verify_s: float  # the target forward plus verification
+    context_len: int  # tokens before the step
+    fallback_reason: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    num_steps: int  # target forwards, prefill included
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]  # drafts accepted at position i, summed over steps
+    drafters: list[str]  # every drafter that proposed, in order of first use
+    prefill_s: float  # the prompt's forward, except its last token (that is in step one)
+    wall_s: float
+    steps: list[StepStats] = field(repr=False, default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per target forward, bonus included (Spec-Bench's MAT)."""
+        return len(self.token_ids) / self.num_steps if self.num_steps else 0.0
+
+
+class Generation:
+    """One request's decoding state. Created by `SpecEngine.start`, which runs the prefill."""
+
+    def __init__(
+        self,
+        engine: SpecEngine,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_step: Callable[[StepStats], None] | None,
+    ) -> None:
+        self.engine = engine
+        self.params = params
+        self.on_step = on_step
+        self.model = engine.target.model
+        self.device = self.model.device
+        self.num_prompt = len(prompt_ids)
+        self.ctx = DraftContext(list(prompt_ids), params, make_generator(params.seed, self.device))
+        self.cache = self.model.new_cache(len(prompt_ids) + params.max_tokens)
+        self.stop_ids = set() if params.ignore_eos else set(self.model.info.eos_token_ids)
+        self.stop_ids |= params.extra_stop_token_ids
+        self.finish_reason: str | None = None
+        self.text: str | None = None
+        self.steps: list[StepStats] = []
+        self._drafter_states: dict[str, Any] = {}
+        self._broken: set[str] = set()
+        self._t0 = time.perf_counter()
+        self._prefill()
+
+    # -- public -----------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.ctx.token_ids[self.num_prompt :]
+
+    @property
+    def num_remaining(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    def step(self, drafter: str = PLAIN, k: int = 0) -> StepStats:
+        """Propose up to k tokens with `drafter` (PLAIN or k = 0: none), verify, emit."""
+        if self.finished:
+            raise RuntimeError("step() on a finished generation")
+        k = max(0, min(k, self.num_remaining - 1, self.engine.config.max_draft_len))
+        fallback = None
+        if drafter != PLAIN and drafter in self._broken:
+            drafter, k, fallback = PLAIN, 0, "drafter_error"
+        if k == 0:
+            drafter = PLAIN
+
+        t0 = time.perf_counter()
+        draft, fallback = self._propose(drafter, k, fallback)
+        if draft is None:
+            drafter, k = PLAIN, 0
+            draft = Draft(torch.empty(0, dtype=torch.long))
+        draft_ids = draft.token_ids.to(self.device)
+        t1 = time.perf_counter()
+        context_len = len(self.ctx.token_ids)
+        start = self.cache.length
+        out = self.model.forward(torch.cat([self._last_token(), draft_ids]), self.cache)
+        result = self._verify(out.logits, draft_ids, draft.probs)
+        self.cache.truncate(start + 1 + result.num_accepted)  # keep [last + accepted]
+        t2 = time.perf_counter()
+
+        num_emitted = self._emit(result.token_ids)
+        if drafter != PLAIN:
+            self.engine.drafters[drafter].commit(
+                self._drafter_states[drafter], self.ctx, num_emitted, result.num_accepted
+            )
+        stats = StepStats(
+            drafter=drafter, draft_len=k, num_draft_tokens=int(draft_ids.shape[0]),
+            num_accepted=result.num_accepted, num_emitted=num_emitted,
+            draft_s=t1 - t0, verify_s=t2 - t1, context_len=context_len, fallback_reason=fallback,
+        )
+        self._record(stats)
+        return stats
+
+    def close(self) -> None:
+        """Release drafter state (also called when a generation is abandoned)."""
+        for name, state in self._drafter_states.items():
+            self.engine.drafters[name].end(state)
+        self._drafter_states.clear()
+        self.cache = None  # type: ignore[assignment]
+
+    def result(self) -> GenerationResult:
+        drafted = [s for s in self.steps if s.drafter != PLAIN]
+        per_pos = [0] * max((s.num_draft_tokens for s in drafted), default=0)
+        for s in drafted:
+            for i in range(s.num_accepted):
+                per_pos[i] += 1
+        return GenerationResult(
+            prompt_token_ids=self.ctx.token_ids[: self.num_prompt],
+            token_ids=self.output_ids,
+            text=self.text if self.text is not None else self._decode(),
+            finish_reason=self.finish_reason or "length",
+            num_steps=len(self.steps),
+            num_draft_tokens=sum(s.num_draft_tokens for s in self.steps),
+            num_accepted_tokens=sum(s.num_accepted for s in self.steps),
+            accepted_per_position=per_pos,
+            drafters=list(dict.fromkeys(s.drafter for s in drafted)),
+            prefill_s=self.prefill_s,
+            wall_s=time.perf_counter() - self._t0,
+            steps=self.steps,
+        )
+
+    # -- internals --------------------------------------------------------------------------
+    def _prefill(self) -> None:
+        t0 = time.perf_counter()
+        prompt = torch.tensor(self.ctx.token_ids[:-1], dtype=torch.long, device=self.device)
+        if prompt.numel():
+            self.model.forward(prompt, self.cache, last_only=True)
+        # the last prompt token goes through the ordinary step path: identical numerics to
+        # every later step, and the first generated token comes out of `step` like all others
+        self.prefill_s = time.perf_counter() - t0
+
+    def _last_token(self) -> torch.Tensor:
+        return torch.tensor(self.ctx.token_ids[-1:], dtype=torch.long, device=self.device)
+
+    def _propose(self, drafter: str, k: int, fallback: str | None) -> tuple[Draft | None, str | None]:
+        if drafter == PLAIN:
+            return None, fallback
+        impl = self.engine.drafters[drafter]
+        try:
+            if drafter not in self._drafter_states:
+                self._drafter_states[drafter] = impl.begin(self.ctx)
+            draft = impl.propose(self._drafter_states[drafter], self.ctx, k)
+            return (draft if draft.token_ids.numel() else None), fallback
+        except Exception:  # a drafter must never fail the request: decode plainly instead
+            log.exception("drafter %r failed; this request continues without it", drafter)
+            self._broken.add(drafter)
+            self._drafter_states.pop(drafter, None)
+            return None, "drafter_error"
+
+    def _verify(self, logits: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> VerifyResult:
+        if self.params.greedy:
+            return verify_greedy(logits, draft_ids)
+        probs = probs_from_logits(logits, self.params)
+        return verify_sampled(probs, draft_ids, draft_probs, self.ctx.generator)
+
+    def _emit(self, token_ids: list[int]) -> int:
+        """Append tokens one by one, stopping where plain decoding would have stopped."""
+        for n, token in enumerate(token_ids, start=1):
+            self.ctx.token_ids.append(token)
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+            elif self.params.stop and (cut := self._stop_string_cut()) is not None:
+                self.finish_reason, self.text = "stop", self._decode()[:cut]
+            elif self.num_remaining == 0:
+                self.finish_reason = "length"
+            if self.finished:
+                return n
+        return len(token_ids)
+
+    def _stop_string_cut(self) -> int | None:
+        text = self._decode()
+        hits = [i for s in self.params.stop if (i := text.find(s)) >= 0]
+        return min(hits) if hits else None
+
+    def _decode(self) -> str:
+        return self.engine.target.tokenizer.decode(self.output_ids, skip_special_tokens=True)
+
+    def _record(self, stats: StepStats) -> None:
+        self.steps.append(stats)
+        if self.on_step is not None:
+            self.on_step(stats)
+
+
+class SpecEngine:
+    def __init__(self, target: LoadedModel, drafters: dict[str, Drafter], config: EngineConfig) -> None:
+        self.target = target
+        self.drafters = drafters
+        self.config = config
+        self.max_model_len = min(config.target.max_model_len, target.model.info.max_position)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> SpecEngine:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        target = load_model(config.target)
+        return cls(target, build_drafters(config.drafters, target), config)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.target.tokenizer
+
+    def encode(self, prompt: str | list[dict[str, str]], *, chat: bool = True) -> list[int]:
+        """Token ids of a prompt; a string is wrapped as one user message when chat is True."""
+        tok = self.target.tokenizer
+        if isinstance(prompt, list) or (chat and tok.chat_template):
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        return tok.encode(prompt)
+
+    def default_draft_len(self, drafter: str) -> int:
+        return 0 if drafter == PLAIN else getattr(self.drafters[drafter].config, "draft_len", 0)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, drafter: str = PLAIN) -> None:
+        if not prompt_ids:
+            raise RequestError("prompt is empty")
+        if drafter != PLAIN and drafter not in self.drafters:
+            known = ", ".join([PLAIN, *self.drafters]) or PLAIN
+            raise RequestError(f"unknown drafter {drafter!r}; configured: {known}")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} were requested"
+            )
+
+    def start(
+        self, prompt_ids: list[int], params: SamplingParams,
+        on_step: Callable[[StepStats], None] | None = None,
+    ) -> Generation:
+        self.check_request(prompt_ids, params)
+        return Generation(self, prompt_ids, params, on_step)
+
+    def stream(
+        self, prompt_ids: list[int], params: SamplingParams, drafter: str = PLAIN,
+        draft_len: int | None = None, on_step: Callable[[StepStats], None] | None = None,
+    ) -> Iterator[tuple[Generation, StepStats]]:
+        """Run a request with a fixed drafter and k, yielding after every step."""
+        self.check_request(prompt_ids, params, drafter)
+        k = self.default_draft_len(drafter) if draft_len is None else draft_len
+        gen = Generation(self, prompt_ids, params, on_step)
+        try:
+            while not gen.finished:
+                yield gen, gen.step(drafter, k)
+        finally:
+            gen.close()
+
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, drafter: str = PLAIN,
+        draft_len: int | None = None, on_step: Callable[[StepStats], None] | None = None,
+    ) -> GenerationResult:
+        gen: Generation | None = None
+        for gen, _ in self.stream(prompt_ids, params, drafter, draft_len, on_step):
+            pass
+        assert gen is not None
+        return gen.result()

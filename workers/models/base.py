@@ -1,0 +1,59 @@
+"""The causal-LM interface the engine and the model drafter run on.
+
+A model owns weights; a cache owns one sequence's keys and values. `forward` appends the new
+tokens at `cache.length`; rolling back after a rejected draft is `cache.truncate(n)`.
+Batch size is one: concurrent requests are interleaved step by step, each with its own cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    vocab_size: int
+    hidden_size: int
+    max_position: int  # positions the model was trained for
+    eos_token_ids: frozenset[int]
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [n, vocab] float32, for the positions asked for
+    hidden: torch.Tensor | None = None  # [n, hidden], final-norm hidden states, when asked for
+
+
+class KVCache(Protocol):
+    @property
+    def length(self) -> int:
+        """Number of tokens whose keys and values are stored."""
+        ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    def truncate(self, length: int) -> None:
+        """Forget every position >= length (rollback to an accepted prefix)."""
+        ...
+
+
+class CausalLM(Protocol):
+    info: ModelInfo
+    device: torch.device
+
+    def new_cache(self, capacity: int) -> KVCache: ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [n] int64 on self.device
+        cache: KVCache,
+        *,
+        last_only: bool = False,
+        return_hidden: bool = False,
+    ) -> ForwardOutput:
+        """Run n new tokens at positions cache.length .. cache.length + n - 1."""
+        ...

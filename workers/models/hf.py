@@ -1,0 +1,68 @@
+"""Any transformers causal LM behind the CausalLM interface (DynamicCache; rollback = crop)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from workers.models.base import ForwardOutput, ModelInfo
+
+
+class HFKVCache:
+    def __init__(self, model: PreTrainedModel, capacity: int) -> None:
+        self.inner = DynamicCache(config=model.config)
+        self._capacity = capacity
+
+    @property
+    def length(self) -> int:
+        return self.inner.get_seq_length()
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        if length < self.length:
+            self.inner.crop(length - self.length)  # transformers 5: a negative count removes tokens
+
+
+class HFCausalLM:
+    def __init__(self, hf_model: PreTrainedModel, eos_token_ids: frozenset[int]) -> None:
+        self.model = hf_model.eval()
+        self.device = next(hf_model.parameters()).device
+        cfg = hf_model.config
+        self.info = ModelInfo(
+            vocab_size=hf_model.get_output_embeddings().weight.shape[0],
+            hidden_size=cfg.hidden_size,
+            max_position=getattr(cfg, "max_position_embeddings", 1 << 20),
+            eos_token_ids=eos_token_ids,
+        )
+
+    def new_cache(self, capacity: int) -> HFKVCache:
+        return HFKVCache(self.model, capacity)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: HFKVCache,
+        *,
+        last_only: bool = False,
+        return_hidden: bool = False,
+    ) -> ForwardOutput:
+        n = input_ids.shape[0]
+        if cache.length + n > cache.capacity:
+            raise ValueError(f"{cache.length + n} positions exceed the cache capacity {cache.capacity}")
+        out = self.model(
+            input_ids[None],
+            past_key_values=cache.inner,
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+            output_hidden_states=return_hidden,
+        )
+        hidden = None
+        if return_hidden:
+            hidden = out.hidden_states[-1][0, -1:] if last_only else out.hidden_states[-1][0]
+        return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)

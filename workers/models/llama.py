@@ -1,0 +1,194 @@
+"""A static-cache Llama forward for batch-one speculative decoding (gpt-fast style).
+
+Why not transformers' own forward: a verify step must cost little more than a plain step, so
+  * the KV cache is preallocated once per request and rollback is moving an integer;
+  * q/k/v and gate/up are fused into one product each;
+  * every weight is stored transposed and contiguous ([in, out]) so that `x @ W_t` streams it
+    row-major: on MKL this beats `F.linear` for the 1..17-row products a verify step makes.
+Weights come from a loaded transformers model, so every checkpoint format it reads works here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from workers.models.base import ForwardOutput, ModelInfo
+
+# rope types whose frequencies depend on the sequence length are left to transformers
+_STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+
+
+def supports(config: object) -> bool:
+    """Whether this implementation computes exactly what transformers' Llama does for config."""
+    rope = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
+    return (
+        getattr(config, "model_type", None) == "llama"
+        and not getattr(config, "attention_bias", False)
+        and not getattr(config, "mlp_bias", False)
+        and getattr(config, "hidden_act", "silu") == "silu"
+        and rope.get("rope_type", "default") in _STATIC_ROPE_TYPES
+    )
+
+
+class StaticKVCache:
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, capacity: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        shape = (num_layers, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot truncate a cache of length {self._length} to {length}")
+        self._length = length  # stale entries past length are never read: attention slices :end
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: Linear  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim
+    o: Linear  # num_heads * head_dim -> hidden
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
+
+
+# Below this many rows a product streams the weight once (x @ W_t); from it on, MKL's packed
+# GEMM keeps the arithmetic units busy (measured: docs/benchmarks.md, verification cost).
+_PACKED_MIN_ROWS = 3
+_PACK_ROWS_HINT = 8
+
+
+class Linear:
+    """y = x @ W.T with the kernel chosen by the number of rows; W is never stored as given."""
+
+    def __init__(self, weight: torch.Tensor) -> None:  # weight: [out, in]
+        self.w_t = weight.t().contiguous()  # [in, out]
+        self.packed: torch.Tensor | None = None
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkl.is_available():
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACK_ROWS_HINT)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, in] -> [n, out]
+        if self.packed is not None and x.shape[0] >= _PACKED_MIN_ROWS:
+            # the original weight argument is only read for its shape: a view of w_t serves
+            return torch.ops.mkl._mkl_linear(x, self.packed, self.w_t.t(), None, x.shape[0])
+        return x @ self.w_t
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class FastLlama:
+    def __init__(self, hf_model: PreTrainedModel, eos_token_ids: frozenset[int]) -> None:
+        cfg = hf_model.config
+        if not supports(cfg):
+            raise ValueError(f"FastLlama does not support {cfg.model_type} with this config")
+        sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
+        self.device = next(hf_model.parameters()).device
+        self.dtype = next(hf_model.parameters()).dtype
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.eps = cfg.rms_norm_eps
+        self.layers = [
+            _Layer(
+                input_norm=sd[f"model.layers.{i}.input_layernorm.weight"],
+                qkv=Linear(torch.cat([sd[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"])),
+                o=Linear(sd[f"model.layers.{i}.self_attn.o_proj.weight"]),
+                post_norm=sd[f"model.layers.{i}.post_attention_layernorm.weight"],
+                gate_up=Linear(torch.cat([sd[f"model.layers.{i}.mlp.{p}_proj.weight"] for p in ("gate", "up")])),
+                down=Linear(sd[f"model.layers.{i}.mlp.down_proj.weight"]),
+            )
+            for i in range(cfg.num_hidden_layers)
+        ]
+        self.embed = sd["model.embed_tokens.weight"]  # [vocab, hidden]
+        self.final_norm = sd["model.norm.weight"]
+        self.lm_head = Linear(sd.get("lm_head.weight", self.embed))
+        self.info = ModelInfo(
+            vocab_size=self.embed.shape[0],
+            hidden_size=cfg.hidden_size,
+            max_position=cfg.max_position_embeddings,
+            eos_token_ids=eos_token_ids,
+        )
+        # the model's own rotary module computed the frequencies for its rope type
+        rotary = hf_model.model.rotary_emb
+        inv_freq, scale = rotary.inv_freq.float(), rotary.attention_scaling
+        angles = torch.outer(torch.arange(cfg.max_position_embeddings, device=self.device).float(), inv_freq)
+        emb = torch.cat((angles, angles), dim=-1)  # [max_position, head_dim]
+        self.cos = (emb.cos() * scale).to(self.dtype)
+        self.sin = (emb.sin() * scale).to(self.dtype)
+
+    def new_cache(self, capacity: int) -> StaticKVCache:
+        if capacity > self.info.max_position:
+            raise ValueError(f"cache capacity {capacity} exceeds the model's {self.info.max_position} positions")
+        return StaticKVCache(
+            len(self.layers), self.num_kv_heads, capacity, self.head_dim, self.dtype, self.device
+        )
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x32.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: StaticKVCache,
+        *,
+        last_only: bool = False,
+        return_hidden: bool = False,
+    ) -> ForwardOutput:
+        n = input_ids.shape[0]
+        start, end = cache.length, cache.length + n
+        if end > cache.capacity:
+            raise ValueError(f"{end} positions exceed the cache capacity {cache.capacity}")
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = self.cos[start:end], self.sin[start:end]  # [n, d]
+        # new token i may see keys 0 .. start + i; a single token sees everything
+        mask = None
+        if n > 1:
+            mask = torch.arange(end, device=self.device) <= torch.arange(start, end, device=self.device)[:, None]
+
+        x = self.embed[input_ids]  # [n, hidden]
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.input_norm)
+            q, k, v = layer.qkv(h).split((nh * d, nkv * d, nkv * d), dim=-1)
+            q = q.view(n, nh, d).transpose(0, 1)  # [nh, n, d]
+            k = k.view(n, nkv, d).transpose(0, 1)  # [nkv, n, d]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            cache.k[i, :, start:end] = k
+            cache.v[i, :, start:end] = v.view(n, nkv, d).transpose(0, 1)
+            attn = F.scaled_dot_product_attention(
+                q[None], cache.k[i, None, :, :end], cache.v[i, None, :, :end],
+                attn_mask=mask, enable_gqa=nkv != nh,
+            )  # [1, nh, n, d]
+            x = x + layer.o(attn[0].transpose(0, 1).reshape(n, nh * d))
+            h = self._rms_norm(x, layer.post_norm)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        cache._length = end
+
+        h = self._rms_norm(x[-1:] if last_only else x, self.final_norm)
+        return ForwardOutput(
+            logits=self.lm_head(h).float(),
+            hidden=h if return_hidden else None,
+        )

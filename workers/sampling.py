@@ -1,0 +1,64 @@
+"""Sampling parameters and the one function that turns logits into the distribution sampled from.
+
+Plain sampling, the target side of rejection sampling and the drafter's proposals all go through
+`probs_from_logits`, so temperature, top-k and top-p are applied to all three exactly alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DEFAULT_MAX_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = whole vocabulary
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    extra_stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[n, vocab] logits -> [n, vocab] float32 probabilities after temperature, top-k, top-p."""
+    logits = logits.float() / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's own random stream: seeded when asked, otherwise from fresh entropy."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen

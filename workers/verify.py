@@ -1,0 +1,64 @@
+"""Verification of a draft against the target: pure functions over tensors.
+
+Terms (after vLLM's rejection sampler):
+  * accepted tokens: the longest prefix of the draft the target agrees with;
+  * recovered token: at the first rejected position, a token drawn from the residual
+    distribution norm(max(p - q, 0)), which makes the output exactly target-distributed;
+  * bonus token: when every draft token is accepted, one more token from the target's
+    distribution after the last draft token (it comes free with the same forward).
+Every step therefore emits num_accepted + 1 tokens. k = 0 is plain decoding.
+
+Rejection sampling follows Leviathan et al. 2023 / Chen et al. 2023: accept draft token x with
+probability min(1, p(x) / q(x)). A deterministic drafter (probs=None) proposes with q one-hot on
+x, so acceptance is p(x) and the residual is p with x removed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    num_accepted: int
+    token_ids: list[int]  # the accepted draft tokens, then one recovered or bonus token
+
+
+def verify_greedy(target_logits: torch.Tensor, draft_ids: torch.Tensor) -> VerifyResult:
+    """target_logits: [k + 1, vocab], row i predicts the token after draft position i - 1.
+    draft_ids: [k]. Accepts while the draft equals the target's argmax."""
+    k = draft_ids.shape[0]
+    target_ids = target_logits.argmax(dim=-1)  # [k + 1]
+    num_accepted = int((target_ids[:k] == draft_ids).cumprod(dim=0).sum()) if k else 0
+    return VerifyResult(num_accepted, target_ids[: num_accepted + 1].tolist())
+
+
+def verify_sampled(
+    target_probs: torch.Tensor,
+    draft_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator,
+) -> VerifyResult:
+    """target_probs: [k + 1, vocab]; draft_ids: [k]; draft_probs: [k, vocab] or None for a
+    deterministic drafter. Both distributions must already carry the request's temperature,
+    top-k and top-p (workers.sampling.probs_from_logits)."""
+    k = draft_ids.shape[0]
+    positions = torch.arange(k, device=target_probs.device)
+    p = target_probs[positions, draft_ids]  # [k] target probability of each draft token
+    q = draft_probs[positions, draft_ids] if draft_probs is not None else torch.ones_like(p)
+    u = torch.rand(k, generator=generator, device=target_probs.device)
+    rejected = (u * q >= p).nonzero()  # u < p / q accepts; q > 0 since x was drawn from q
+    num_accepted = int(rejected[0, 0]) if rejected.numel() else k
+
+    if num_accepted == k:
+        dist = target_probs[k]  # bonus
+    elif draft_probs is not None:
+        dist = (target_probs[num_accepted] - draft_probs[num_accepted]).clamp_min(0)
+    else:
+        dist = target_probs[num_accepted].clone()
+        dist[draft_ids[num_accepted]] = 0
+    # multinomial normalises; a rejection implies p < q somewhere, so dist has mass
+    last = torch.multinomial(dist, 1, generator=generator)
+    return VerifyResult(num_accepted, draft_ids[:num_accepted].tolist() + [int(last)])
