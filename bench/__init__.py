@@ -1,0 +1,1 @@
+"""`specroute bench`: methods side by side on Spec-Bench prompts (runner, records, report)."""

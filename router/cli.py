@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from workers.config import EngineConfig
+from workers.config import PLAIN, EngineConfig
 
 DEFAULT_SERVE_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve.cpu.yaml"
 
@@ -64,7 +64,7 @@ def _draft_len(text: str) -> int | None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from workers.engine import PLAIN, RequestError, SpecEngine
+    from workers.engine import RequestError, SpecEngine
     from workers.sampling import SamplingParams
     from workers.target import ModelLoadError
 
@@ -113,6 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from bench.runner import BenchArgs, run_bench
+    from workers.target import ModelLoadError
 
     if not args.prompts.is_file():
         raise CLIError(f"--prompts: no file {args.prompts}")
@@ -127,7 +128,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     try:
         run_bench(bench_args)
-    except ValueError as e:
+    except (ValueError, ModelLoadError) as e:
         raise CLIError(str(e)) from None
     return 0
 

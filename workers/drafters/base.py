@@ -28,6 +28,7 @@ class DraftContext:
     token_ids: list[int]  # prompt + generated so far (the engine appends; drafters only read)
     params: SamplingParams
     generator: torch.Generator
+    max_len: int  # the longest token_ids can grow in this request: prompt + max_tokens
 
 
 class Drafter(Protocol):

@@ -29,8 +29,8 @@ class ModelDrafter:
         self.model = model
 
     def begin(self, ctx: DraftContext) -> ModelDraftState:
-        # the drafter never runs ahead of the target's cache: the request's budget bounds it
-        return ModelDraftState(cache=self.model.new_cache(len(ctx.token_ids) + ctx.params.max_tokens))
+        # drafts stay inside the request's token budget, so its length bounds the cache too
+        return ModelDraftState(cache=self.model.new_cache(ctx.max_len))
 
     def propose(self, state: ModelDraftState, ctx: DraftContext, k: int) -> Draft:
         device = self.model.device

@@ -57,7 +57,7 @@ class HFCausalLM:
             raise ValueError(f"{cache.length + n} positions exceed the cache capacity {cache.capacity}")
         out = self.model(
             input_ids[None],
-            past_key_values=cache.inner,
+            cache=cache.inner,
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
             output_hidden_states=return_hidden,

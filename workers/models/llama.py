@@ -40,8 +40,8 @@ class StaticKVCache:
         dtype: torch.dtype, device: torch.device,
     ) -> None:
         shape = (num_layers, num_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.empty(shape, dtype=dtype, device=device)  # never read past length
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self._length = 0
 
     @property
@@ -90,11 +90,6 @@ class Linear:
         return x @ self.w_t
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class FastLlama:
     def __init__(self, hf_model: PreTrainedModel, eos_token_ids: frozenset[int]) -> None:
         cfg = hf_model.config
@@ -133,7 +128,9 @@ class FastLlama:
         angles = torch.outer(torch.arange(cfg.max_position_embeddings, device=self.device).float(), inv_freq)
         emb = torch.cat((angles, angles), dim=-1)  # [max_position, head_dim]
         self.cos = (emb.cos() * scale).to(self.dtype)
-        self.sin = (emb.sin() * scale).to(self.dtype)
+        # rotate_half(x) * sin == x.roll(d / 2) * [-sin, sin]: one op instead of three
+        half = self.head_dim // 2
+        self.sin_signed = (torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1) * scale).to(self.dtype)
 
     def new_cache(self, capacity: int) -> StaticKVCache:
         if capacity > self.info.max_position:
@@ -141,11 +138,6 @@ class FastLlama:
         return StaticKVCache(
             len(self.layers), self.num_kv_heads, capacity, self.head_dim, self.dtype, self.device
         )
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x32.to(x.dtype)
 
     @torch.inference_mode()
     def forward(
@@ -161,33 +153,34 @@ class FastLlama:
         if end > cache.capacity:
             raise ValueError(f"{end} positions exceed the cache capacity {cache.capacity}")
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        cos, sin = self.cos[start:end], self.sin[start:end]  # [n, d]
-        # new token i may see keys 0 .. start + i; a single token sees everything
+        cos, sin = self.cos[start:end, None], self.sin_signed[start:end, None]  # [n, 1, d]
+        # new token i may see keys 0 .. start + i: plain causal on an empty cache (SDPA's fast
+        # path), an explicit mask when a draft follows cached tokens, none for a single token
         mask = None
-        if n > 1:
+        if n > 1 and start > 0:
             mask = torch.arange(end, device=self.device) <= torch.arange(start, end, device=self.device)[:, None]
+        causal = n > 1 and start == 0
 
         x = self.embed[input_ids]  # [n, hidden]
         for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.input_norm)
-            q, k, v = layer.qkv(h).split((nh * d, nkv * d, nkv * d), dim=-1)
-            q = q.view(n, nh, d).transpose(0, 1)  # [nh, n, d]
-            k = k.view(n, nkv, d).transpose(0, 1)  # [nkv, n, d]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            cache.k[i, :, start:end] = k
-            cache.v[i, :, start:end] = v.view(n, nkv, d).transpose(0, 1)
+            h = F.rms_norm(x, x.shape[-1:], layer.input_norm, self.eps)
+            qkv = layer.qkv(h).view(n, nh + 2 * nkv, d)
+            # rotate q and k heads in one go: x * cos + rotate_half(x) * sin
+            qk = qkv[:, : nh + nkv]
+            qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
+            cache.k[i, :, start:end] = qk[:, nh:].transpose(0, 1)
+            cache.v[i, :, start:end] = qkv[:, nh + nkv :].transpose(0, 1)
             attn = F.scaled_dot_product_attention(
-                q[None], cache.k[i, None, :, :end], cache.v[i, None, :, :end],
-                attn_mask=mask, enable_gqa=nkv != nh,
+                qk[None, :, :nh].transpose(1, 2), cache.k[i, None, :, :end], cache.v[i, None, :, :end],
+                attn_mask=mask, is_causal=causal, enable_gqa=nkv != nh,
             )  # [1, nh, n, d]
             x = x + layer.o(attn[0].transpose(0, 1).reshape(n, nh * d))
-            h = self._rms_norm(x, layer.post_norm)
+            h = F.rms_norm(x, x.shape[-1:], layer.post_norm, self.eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         cache._length = end
 
-        h = self._rms_norm(x[-1:] if last_only else x, self.final_norm)
+        h = F.rms_norm(x[-1:] if last_only else x, x.shape[-1:], self.final_norm, self.eps)
         return ForwardOutput(
             logits=self.lm_head(h).float(),
             hidden=h if return_hidden else None,

@@ -1,0 +1,182 @@
+"""The methods a benchmark compares, behind one interface: run one prompt, return its record.
+
+  plain        our engine without a draft (the baseline every speedup is relative to)
+  NAME         our engine with configured drafter NAME at its static draft_len
+  hf           transformers `generate`, greedy: the peer without speculation
+  hf-pld       transformers prompt lookup (`prompt_lookup_num_tokens=10`)
+  hf-assisted  transformers assisted generation; the assistant is the first `model` drafter's model
+All are greedy with the same token budget and the same EOS set, so outputs must be identical.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from bench.prompts import BenchPrompt
+from bench.records import RunRecord
+from bench.summary import PLAIN_METHOD
+from workers.config import EngineConfig, ModelDrafterConfig
+from workers.engine import PLAIN, SpecEngine
+from workers.sampling import SamplingParams
+
+HF_METHODS = ("hf", "hf-pld", "hf-assisted")
+PROMPT_LOOKUP_NUM_TOKENS = 10  # transformers' documented example value
+# methods the CLI reserves but this release does not implement, with the reason
+NOT_YET = {"router": "method 'router' is not available yet: adaptive routing comes with the routing "
+                     "policy; benchmark 'plain', the drafter names or the hf peers for now"}
+
+
+class Method(Protocol):
+    name: str
+
+    def run(self, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int) -> RunRecord: ...
+
+
+def check_methods(methods: list[str], config: EngineConfig) -> list[str]:
+    """The methods to run, plain first (it is every other method's baseline), duplicates dropped.
+    Raises ValueError naming the first method that cannot run."""
+    valid = [PLAIN_METHOD, *(d.name for d in config.drafters), *HF_METHODS]
+    for name in methods:
+        if name in NOT_YET:
+            raise ValueError(NOT_YET[name])
+        if name not in valid:
+            raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(valid)}")
+    if "hf-assisted" in methods and assistant_config(config) is None:
+        raise ValueError("method 'hf-assisted' needs a drafter of kind 'model' in the engine config "
+                         "(its model is the assistant); none is configured")
+    return list(dict.fromkeys([PLAIN_METHOD, *methods]))
+
+
+def assistant_config(config: EngineConfig) -> ModelDrafterConfig | None:
+    return next((d for d in config.drafters if isinstance(d, ModelDrafterConfig)), None)
+
+
+@dataclass
+class EngineMethod:
+    name: str
+    engine: SpecEngine
+    drafter: str  # PLAIN or a configured drafter name; k is the drafter's static draft_len
+
+    def run(self, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int) -> RunRecord:
+        params = SamplingParams(max_tokens=max_tokens)  # greedy
+        t0 = time.perf_counter()
+        result = self.engine.generate(prompt_ids, params, self.drafter)
+        wall_s = time.perf_counter() - t0
+        drafted = [s for s in result.steps if s.drafter != PLAIN]
+        drafted_per_position = [0] * len(result.accepted_per_position)
+        for step in drafted:
+            for i in range(step.num_draft_tokens):
+                drafted_per_position[i] += 1
+        return RunRecord(
+            question_id=prompt.question_id, category=prompt.category, method=self.name,
+            token_ids=result.token_ids, num_new_tokens=len(result.token_ids), wall_s=wall_s,
+            num_steps=result.num_steps, num_draft_tokens=result.num_draft_tokens,
+            num_accepted_tokens=result.num_accepted_tokens,
+            accepted_per_position=result.accepted_per_position, drafted_per_position=drafted_per_position,
+        )
+
+
+@dataclass
+class ForwardCount:
+    num_calls: int = 0
+    num_tokens: int = 0  # input tokens over all calls
+
+
+@contextmanager
+def count_forwards(model: torch.nn.Module) -> Iterator[ForwardCount]:
+    """Count the calls of a model's forward (a pre-hook sees every one, whatever path generate
+    takes) and the tokens they were fed."""
+    count = ForwardCount()
+
+    def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        count.num_calls += 1
+        count.num_tokens += int(ids.shape[-1]) if ids is not None else 0
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield count
+    finally:
+        handle.remove()
+
+
+@dataclass
+class HFMethod:
+    name: str
+    model: PreTrainedModel
+    eos_token_ids: frozenset[int]  # the engine's stop set, so both stop at the same token
+    pad_token_id: int | None
+    assistant: PreTrainedModel | None = None
+    prompt_lookup_num_tokens: int | None = None
+
+    def run(self, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int) -> RunRecord:
+        # a fresh config: the checkpoint's own generation defaults (sampling, penalties) must not
+        # leak into a greedy comparison
+        gen_config = GenerationConfig(
+            max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(self.eos_token_ids),
+            pad_token_id=self.pad_token_id, prompt_lookup_num_tokens=self.prompt_lookup_num_tokens,
+        )
+        t0 = time.perf_counter()
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
+        with count_forwards(self.model) as count:
+            out = self.model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_config,
+                assistant_model=self.assistant,
+            )
+        wall_s = time.perf_counter() - t0
+        token_ids = _until_eos(out[0, len(prompt_ids):].tolist(), self.eos_token_ids)
+        # With a cache, forward i feeds [the tokens not yet cached + its candidates]: the whole
+        # prompt first, then the one token emitted last. So the tokens fed over all forwards are
+        # prompt + (forwards - 1) + candidates, which gives the candidate count exactly.
+        num_draft = count.num_tokens - len(prompt_ids) - (count.num_calls - 1)
+        return RunRecord(
+            question_id=prompt.question_id, category=prompt.category, method=self.name,
+            token_ids=token_ids, num_new_tokens=len(token_ids), wall_s=wall_s,
+            num_steps=count.num_calls, num_draft_tokens=num_draft,
+            # every forward emits its accepted candidates plus one token of its own
+            num_accepted_tokens=len(token_ids) - count.num_calls,
+            accepted_per_position=None, drafted_per_position=None,
+        )
+
+
+def _until_eos(token_ids: list[int], eos_token_ids: frozenset[int]) -> list[int]:
+    """Cut after the first EOS, as the engine does (generate pads finished rows in a batch)."""
+    for i, token in enumerate(token_ids):
+        if token in eos_token_ids:
+            return token_ids[: i + 1]
+    return token_ids
+
+
+def build_methods(
+    names: list[str], engine: SpecEngine, hf_model: PreTrainedModel | None,
+    assistant: PreTrainedModel | None = None,
+) -> list[Method]:
+    """Method objects for names already checked by `check_methods`. hf_model is the target as a
+    transformers model (needed by every hf method); assistant by hf-assisted."""
+    eos = engine.target.model.info.eos_token_ids
+    pad = engine.tokenizer.pad_token_id
+    pad = pad if pad is not None else min(eos, default=None)
+    methods: list[Method] = []
+    for name in names:
+        if name == PLAIN_METHOD:
+            methods.append(EngineMethod(name, engine, PLAIN))
+        elif name in engine.drafters:
+            methods.append(EngineMethod(name, engine, name))
+        elif name in HF_METHODS:
+            if hf_model is None or (name == "hf-assisted" and assistant is None):
+                raise ValueError(f"method {name!r} needs its transformers model loaded")
+            methods.append(HFMethod(
+                name, hf_model, eos, pad,
+                assistant=assistant if name == "hf-assisted" else None,
+                prompt_lookup_num_tokens=PROMPT_LOOKUP_NUM_TOKENS if name == "hf-pld" else None,
+            ))
+        else:
+            raise ValueError(f"unknown method {name!r}")
+    return methods

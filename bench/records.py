@@ -1,0 +1,49 @@
+"""What a benchmark run records: one `RunRecord` per (prompt, method), summaries, mismatches.
+
+Field names are the `results.json` contract; `dataclasses.asdict` gives the JSON objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RunRecord:
+    question_id: int | str
+    category: str
+    method: str
+    token_ids: list[int]  # generated tokens only, up to and including EOS
+    num_new_tokens: int
+    wall_s: float  # the whole generate call, prefill included, timed the same way for every method
+    # target forwards that produced tokens. Ours: verify steps (the prefill of prompt[:-1] emits
+    # nothing and is not one). transformers: every forward of the target model, its prefill
+    # included, since that one emits the first token. Plain decoding: num_steps == num_new_tokens.
+    num_steps: int | None
+    num_draft_tokens: int | None
+    num_accepted_tokens: int | None
+    accepted_per_position: list[int] | None  # steps that accepted the draft token at position i
+    # steps that proposed a token at position i: the denominator of the per-position rate
+    # (drafts vary in length, so "all drafted steps" would understate late positions).
+    # None where the method does not expose it (transformers' generate).
+    drafted_per_position: list[int] | None
+
+
+@dataclass
+class MethodSummary:
+    speedup: float | None  # plain wall / method wall over the same prompts (Spec-Bench)
+    mat: float | None  # new tokens / target forwards, bonus included
+    tokens_per_s: float | None
+    lossless: bool  # every prompt's token_ids equal plain's
+
+
+@dataclass
+class Mismatch:
+    question_id: int | str
+    category: str
+    method: str
+    position: int  # first generated position where the method differs from plain
+    plain_token: int | None  # None: plain had stopped there
+    method_token: int | None  # None: the method had stopped there
+    top2_gap: float | None  # target's top-1 minus top-2 logit at that position (transformers)
+    near_tie: bool  # top2_gap < NEAR_TIE: a rounding difference can flip the argmax there

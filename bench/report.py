@@ -1,0 +1,187 @@
+"""DIR/report.md and PNG plots from a results dict (exactly what results.json holds, so a report
+can be rebuilt from the file alone: `python -m bench.report DIR`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from matplotlib.figure import Figure  # the OO API: Agg canvas, no pyplot global state
+
+from bench.summary import OVERALL, PLAIN_METHOD
+
+TABLE_HEADER = "| category | method | speedup | MAT | tok/s | lossless |"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def summary_table(results: dict) -> list[str]:
+    lines = [TABLE_HEADER, "|---|---|---:|---:|---:|:---:|"]
+    for category, methods in results["summary"].items():
+        for method, s in methods.items():
+            name = f"**{category}**" if category == OVERALL else category
+            lines.append(
+                f"| {name} | {method} | {_fmt(s['speedup'], '.2f')}x | {_fmt(s['mat'], '.2f')} "
+                f"| {_fmt(s['tokens_per_s'], '.1f')} | {'yes' if s['lossless'] else '**no**'} |"
+            )
+    return lines
+
+
+def verify_curve_section(curve: dict | None) -> list[str]:
+    if curve is None:
+        return ["Not measured (--no-verify-curve)."]
+    lines = [
+        f"One target forward over 1 + k tokens after {curve['context_len']} cached tokens; "
+        f"median of {curve['reps']} interleaved repetitions.", "",
+        "| k | T(1+k) ms | T(1+k)/T(1) |", "|---:|---:|---:|",
+    ]
+    points = zip(curve["ks"], curve["step_s"], curve["ratio"])
+    lines += [f"| {k} | {t * 1e3:.2f} | {r:.2f} |" for k, t, r in points]
+    b = curve["bandwidth_floor"]
+    lines += [
+        "",
+        f"Bandwidth floor of the plain step: {b['weights_bytes'] / 1e6:.0f} MB of weights / "
+        f"{b['bandwidth_gb_s']:.1f} GB/s (measured copy) = {b['floor_s'] * 1e3:.2f} ms; the plain step "
+        f"takes {b['plain_step_s'] * 1e3:.2f} ms, so it runs at {b['floor_fraction']:.0%} of the "
+        f"bandwidth limit.",
+        "", "![verify curve](verify_curve.png)",
+    ]
+    return lines
+
+
+def mismatch_section(mismatches: list[dict]) -> list[str]:
+    if not mismatches:
+        return ["Every method's greedy output equals plain decoding's on every prompt."]
+    lines = [
+        "| question | category | method | position | plain token | method token | top-2 gap | near-tie |",
+        "|---|---|---|---:|---:|---:|---:|:---:|",
+    ]
+    for m in mismatches:
+        lines.append(
+            f"| {m['question_id']} | {m['category']} | {m['method']} | {m['position']} | {m['plain_token']} "
+            f"| {m['method_token']} | {_fmt(m['top2_gap'], '.2e')} | {'yes' if m['near_tie'] else '**no**'} |"
+        )
+    lines += ["", "A near-tie (top-2 gap < 1e-3) can flip under a different kernel's rounding; a wide gap "
+                  "at the first difference is a bug."]
+    return lines
+
+
+def machine_section(machine: dict) -> list[str]:
+    return [
+        f"- CPU: {machine['cpu']} ({machine['cores']} cores, torch threads {machine['torch_threads']})",
+        f"- GPU: {machine['gpu'] or 'none'}",
+        f"- torch {machine['torch']}, transformers {machine['transformers']}, Python {machine['python']}",
+        f"- {machine['platform']}",
+    ]
+
+
+def write_report(results: dict, out: Path) -> list[Path]:
+    """Write report.md and the plots into out; returns the files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("acceptance_by_position.png", "verify_curve.png"):  # a plot this run has no data for
+        (out / stale).unlink(missing_ok=True)
+    pngs = [plot_speedup(results, out / "speedup.png")]
+    if acceptance := plot_acceptance(results, out / "acceptance_by_position.png"):
+        pngs.append(acceptance)
+    if results["verify_curve"] is not None:
+        pngs.append(plot_verify_curve(results["verify_curve"], out / "verify_curve.png"))
+    num_prompts = len({r["question_id"] for r in results["runs"]})
+    lines = [
+        "# SpecRoute benchmark", "",
+        f"Target `{results['target']}` on {results['device']}; {num_prompts} prompts; greedy, at most "
+        f"{results['max_tokens']} new tokens; methods interleaved prompt by prompt after a warm-up.", "",
+        "## Speedup by category", "",
+        "Speedup = plain decoding's total wall time / the method's, over the same prompts (Spec-Bench's "
+        "definition). MAT = new tokens / target forwards, bonus token included (hardware independent). "
+        "Lossless = token-identical to plain decoding on every prompt.", "",
+        *summary_table(results), "", "![speedup](speedup.png)", "",
+    ]
+    if acceptance:
+        lines += [
+            "## Acceptance by draft position", "",
+            "Fraction of the steps that drafted a token at position i in which the target accepted it "
+            "(and so every earlier one).", "", "![acceptance by position](acceptance_by_position.png)", "",
+        ]
+    lines += ["## Verification cost", "", *verify_curve_section(results["verify_curve"]), "",
+              "## Greedy losslessness", "", *mismatch_section(results["mismatches"]), "",
+              "## Machine", "", *machine_section(results["machine"]), "",
+              "## Command", "", "```", results["command"], "```", ""]
+    (out / "report.md").write_text("\n".join(lines))
+    return [out / "report.md", *pngs]
+
+
+def plot_speedup(results: dict, path: Path) -> Path:
+    summary = results["summary"]
+    categories = list(summary)
+    methods = list(dict.fromkeys(m for c in categories for m in summary[c]))
+    fig = Figure(figsize=(max(7.0, 0.4 * len(categories) * len(methods) + 2.0), 4), layout="constrained")
+    ax = fig.add_subplot()
+    width = 0.8 / len(methods)
+    for j, method in enumerate(methods):
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(categories))]
+        ys = [summary[c].get(method, {}).get("speedup") or 0.0 for c in categories]
+        ax.bar(xs, ys, width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")  # plain decoding
+    ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
+    ax.set_ylabel("speedup over plain (wall time)")
+    ax.set_title(f"{results['target']}: speedup by category")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: never over a bar
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_acceptance(results: dict, path: Path) -> Path | None:
+    """Per drafter method: accepted / drafted at each position, summed over its runs. None when no
+    method exposes per-position counts (plain and transformers' peers do not)."""
+    curves: dict[str, list[float]] = {}
+    for method in dict.fromkeys(r["method"] for r in results["runs"]):
+        accepted: list[int] = []
+        drafted: list[int] = []
+        for r in results["runs"]:
+            if r["method"] != method or not r.get("drafted_per_position"):
+                continue
+            for i, (a, d) in enumerate(zip(r["accepted_per_position"], r["drafted_per_position"])):
+                if i == len(drafted):
+                    accepted.append(0)
+                    drafted.append(0)
+                accepted[i] += a
+                drafted[i] += d
+        if drafted and method != PLAIN_METHOD:
+            curves[method] = [a / d for a, d in zip(accepted, drafted) if d]
+    if not curves:
+        return None
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.add_subplot()
+    for method, rates in curves.items():
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=method)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted / drafted at this position")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Acceptance by draft position")
+    ax.legend(fontsize="small")
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_verify_curve(curve: dict, path: Path) -> Path:
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot(curve["ks"], curve["ratio"], marker="o", label="T(1+k) / T(1)")
+    b = curve["bandwidth_floor"]
+    ax.axhline(b["floor_fraction"], color="gray", linestyle=":", label="bandwidth floor / T(1)")
+    ax.set_xlabel("draft tokens verified, k")
+    ax.set_ylabel("cost relative to a plain step")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Verification cost at {curve['context_len']} cached tokens")
+    ax.legend(fontsize="small")
+    fig.savefig(path, dpi=120)
+    return path
+
+
+if __name__ == "__main__":  # rebuild a report from DIR/results.json
+    out_dir = Path(sys.argv[1])
+    for written in write_report(json.loads((out_dir / "results.json").read_text()), out_dir):
+        print(written)

@@ -1,0 +1,315 @@
+"""The Serve application: an OpenAI-compatible FastAPI ingress in front of TargetWorker replicas.
+
+    build_app(args) -> Application     args = a Serve config's applications[0].args (AppArgs)
+
+The ingress validates requests (400 in OpenAI's error shape, naming the field), decides the
+speculation plan, and relays the worker's chunks as JSON or as SSE. It never imports torch.
+"""
+
+# no `from __future__ import annotations`: Serve's ingress re-declares the endpoints, and FastAPI
+# must see their parameter types as classes, not strings
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from ray import serve
+from ray.exceptions import RayTaskError
+from ray.serve import Application
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.schemas import (
+    AUTO, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionChunk, CompletionRequest,
+    CompletionResponse, ErrorBody, ErrorResponse, ModelCard, ModelList, SpeculationInfo, Usage,
+    GenerationRequestBase,
+)
+from workers.config import EngineConfig
+from workers.deployment import PLAIN, Chunk, FinalStats, GenerateRequest, InvalidRequest, TargetWorker
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+INGRESS_MAX_ONGOING_REQUESTS = 1024  # the ingress only relays: its limit is the workers' sum and more
+
+
+# -- application arguments ---------------------------------------------------------------------
+class AutoscalingArgs(BaseModel):
+    """The subset of Ray Serve's autoscaling_config that SpecRoute passes through."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float | None = Field(None, gt=0, description="per replica")
+    upscale_delay_s: float | None = Field(None, ge=0)
+    downscale_delay_s: float | None = Field(None, ge=0)
+
+
+class AppArgs(BaseModel):
+    """`args:` of the Serve application (deploy/serve.*.yaml)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    served_model_name: str = Field(DEFAULT_SERVED_MODEL_NAME, description="the `model` clients send")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="target, drafters, engine")
+    max_ongoing_requests: int = Field(16, ge=1, description="concurrent requests per target replica")
+    num_replicas: int | None = Field(None, ge=1, description="fixed target replicas (default 1)")
+    autoscaling_config: AutoscalingArgs | None = Field(None, description="instead of num_replicas")
+    num_cpus: float = Field(1, ge=0, description="CPUs per target replica (also torch's threads)")
+    num_gpus: float = Field(0, ge=0, description="GPUs per target replica")
+
+    @model_validator(mode="after")
+    def _replicas(self) -> "AppArgs":
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("give num_replicas or autoscaling_config, not both")
+        return self
+
+    def worker_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+            "max_constructor_retry_count": 1,  # a model that fails to load fails the deploy now
+        }
+        if self.autoscaling_config is not None:
+            options["autoscaling_config"] = self.autoscaling_config.model_dump(exclude_none=True)
+        else:
+            options["num_replicas"] = self.num_replicas or 1
+        return options
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """The Serve application from a Serve config's application args."""
+    app_args = AppArgs.model_validate(args or {})
+    worker = TargetWorker.options(**app_args.worker_options()).bind(app_args.engine.model_dump(mode="json"))
+    return OpenAIIngress.bind(worker, app_args.model_dump(mode="json"))
+
+
+# -- errors --------------------------------------------------------------------------------------
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = ErrorResponse(error=ErrorBody(message=message, type=type, param=param, code=code))
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body.model_dump(), status_code=e.status)
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """A validation error's location as a request field path, e.g. messages[0].content."""
+    parts = [p for p in loc[1:] if isinstance(p, int) or not any(c in p for c in "[-(") and
+             p not in ("str", "int", "float", "bool", "list", "dict", "none")]
+    text = ""
+    for p in parts:
+        text += f"[{p}]" if isinstance(p, int) else (f".{p}" if text else p)
+    return text or None
+
+
+def _as_api_error(e: BaseException) -> APIError:
+    """An error from a worker call, unwrapped from Ray's wrappers."""
+    while isinstance(e, RayTaskError) and e.cause is not None:
+        e = e.cause
+    if isinstance(e, InvalidRequest):
+        return APIError(400, e.message, e.param, e.code)
+    if isinstance(e, APIError):
+        return e
+    log.error("request failed: %r", e, exc_info=e)
+    return APIError(500, f"internal error: {type(e).__name__}", type="internal_error")
+
+
+app = FastAPI(title="SpecRoute", description="OpenAI-compatible speculative decoding with drafter routing")
+
+
+@app.exception_handler(RequestValidationError)
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    err = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
+    param = _param(tuple(err.get("loc", ())))
+    if err.get("type") == "json_invalid":
+        reason = err.get("ctx", {}).get("error", err["msg"])
+        param, message = None, f"request body is not valid JSON: {reason}"
+    else:
+        message = f"{param or 'body'}: {err['msg']}"
+    return _error_response(APIError(400, message, param))
+
+
+@app.exception_handler(APIError)
+async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    return _error_response(exc)
+
+
+@app.exception_handler(Exception)
+async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    return _error_response(_as_api_error(exc))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+    return _error_response(APIError(exc.status_code, str(exc.detail), type=kind))
+
+
+# -- the ingress ---------------------------------------------------------------------------------
+def _speculation_info(stats: FinalStats) -> SpeculationInfo:
+    return SpeculationInfo(
+        drafter=stats.drafter, draft_len=stats.draft_len, drafters=stats.drafters_used,
+        num_steps=stats.num_steps, num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        mean_acceptance_length=round(stats.mean_acceptance_length, 4),
+        acceptance_histogram=stats.accepted_per_position, fallback_reason=stats.fallback_reason,
+    )
+
+
+def _usage(stats: FinalStats) -> Usage:
+    return Usage(prompt_tokens=stats.num_prompt_tokens, completion_tokens=stats.num_completion_tokens,
+                 total_tokens=stats.num_prompt_tokens + stats.num_completion_tokens)
+
+
+def _sse(data: BaseModel | dict[str, Any], drop: tuple[str, ...] = ()) -> str:
+    payload = data.model_dump(mode="json") if isinstance(data, BaseModel) else data
+    for key in drop:
+        if payload.get(key) is None:
+            payload.pop(key, None)
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+@serve.deployment(max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, worker: DeploymentHandle, args: dict[str, Any]) -> None:
+        self.args = AppArgs.model_validate(args)
+        self.worker = worker
+        self.model_name = self.args.served_model_name
+        self.drafter_names = [d.name for d in self.args.engine.drafters]
+        self.created = int(time.time())
+
+    @app.get("/healthz")
+    async def healthz(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self) -> ModelList:
+        card = ModelCard(id=self.model_name, created=self.created,
+                         max_model_len=self.args.engine.target.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(self, body: CompletionRequest) -> CompletionResponse | StreamingResponse:
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+
+        def chunk(text: str, finish: str | None = None,
+                  spec: SpeculationInfo | None = None) -> CompletionChunk:
+            choice = CompletionChoice(text=text, finish_reason=finish)
+            return CompletionChunk(id=request_id, created=created, model=self.model_name,
+                                   choices=[choice], speculation=spec)
+
+        if body.stream:
+            return await self._stream(body, body.prompt, chunk, None)
+        out = await self._generate(body, body.prompt)
+        assert out.stats is not None
+        return CompletionResponse(
+            id=request_id, created=created, model=self.model_name,
+            choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
+            usage=_usage(out.stats), speculation=_speculation_info(out.stats),
+        )
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(
+        self, body: ChatCompletionRequest,
+    ) -> ChatCompletionResponse | StreamingResponse:
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        messages = [m.as_template_message() for m in body.messages]
+
+        def chunk(text: str, finish: str | None = None, spec: SpeculationInfo | None = None,
+                  role: str | None = None) -> ChatCompletionChunk:
+            choice = ChatChunkChoice(delta=ChatDelta(role=role, content=text), finish_reason=finish)
+            return ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
+                                       choices=[choice], speculation=spec)
+
+        if body.stream:
+            return await self._stream(body, messages, chunk, chunk("", role="assistant"))
+        out = await self._generate(body, messages)
+        assert out.stats is not None
+        return ChatCompletionResponse(
+            id=request_id, created=created, model=self.model_name,
+            choices=[ChatChoice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)],
+            usage=_usage(out.stats), speculation=_speculation_info(out.stats),
+        )
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _request(self, body: GenerationRequestBase, prompt: str | list[dict[str, str]]) -> GenerateRequest:
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
+                                f"'{self.model_name}'", "model", "model_not_found")
+        drafter, draft_len = body.speculation.drafter, body.speculation.draft_len
+        if drafter == AUTO:
+            # the routing policy replaces this: for now, the first configured drafter, static k
+            drafter = self.drafter_names[0] if self.drafter_names else PLAIN
+        return GenerateRequest(
+            prompt=prompt, max_tokens=body.num_max_tokens, temperature=body.temperature,
+            top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed, stop=tuple(body.stop),
+            ignore_eos=body.ignore_eos, drafter=drafter, draft_len=draft_len,
+        )
+
+    async def _generate(self, body: GenerationRequestBase, prompt: str | list[dict[str, str]]) -> Chunk:
+        request = self._request(body, prompt)
+        try:
+            return await self.worker.generate.remote(request)
+        except Exception as e:
+            raise _as_api_error(e) from None
+
+    async def _stream(
+        self, body: GenerationRequestBase, prompt: str | list[dict[str, str]],
+        make_chunk: Callable[..., BaseModel], first: BaseModel | None,
+    ) -> StreamingResponse:
+        request = self._request(body, prompt)
+        gen: DeploymentResponseGenerator = self.worker.options(stream=True).stream.remote(request)
+        try:  # the first chunk before the response starts: a bad request is still a 400
+            head: Chunk = await gen.__anext__()
+        except Exception as e:
+            gen.cancel()
+            raise _as_api_error(e) from None
+        return StreamingResponse(self._events(gen, head, make_chunk, first, body.include_usage),
+                                 media_type="text/event-stream")
+
+    async def _events(
+        self, gen: DeploymentResponseGenerator, chunk: Chunk, make_chunk: Callable[..., BaseModel],
+        first: BaseModel | None, include_usage: bool,
+    ) -> AsyncIterator[str]:
+        drop = ("speculation",) if include_usage else ("speculation", "usage")
+        done = False
+        try:
+            if first is not None:
+                yield _sse(first, drop)
+            while True:
+                if chunk.finish_reason is not None:
+                    assert chunk.stats is not None
+                    spec = _speculation_info(chunk.stats)
+                    yield _sse(make_chunk(chunk.text, chunk.finish_reason, spec), drop)
+                    if include_usage:
+                        last = make_chunk("").model_copy(update={"choices": [], "usage": _usage(chunk.stats)})
+                        yield _sse(last, drop)
+                    break
+                if chunk.text:
+                    yield _sse(make_chunk(chunk.text), drop)
+                chunk = await gen.__anext__()
+            done = True
+        except Exception as e:  # the response has started: report in-band, then end the stream
+            yield _sse(_as_api_error(e).body)
+        finally:
+            if not done:
+                gen.cancel()  # a client that went away frees its slot on the worker
+        yield "data: [DONE]\n\n"

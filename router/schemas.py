@@ -1,0 +1,251 @@
+"""OpenAI-compatible request and response models for /v1/completions and /v1/chat/completions,
+plus SpecRoute's extensions: `speculation` (request: the plan asked for; response: what ran and
+how well it was accepted), `top_k` and `ignore_eos` (as in vLLM).
+
+Fields the server does not implement are ignored, as OpenAI-compatible servers do, except `n`:
+more than one choice is refused rather than silently answered with one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+AUTO = "auto"
+
+
+# -- requests --------------------------------------------------------------------------------
+class SpeculationRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    drafter: str = Field(
+        AUTO, description='"auto" (the router decides), "none" (plain decoding) or a drafter name')
+    draft_len: int | None = Field(None, description='"auto" (null) or K >= 1 tokens per draft')
+
+    @field_validator("draft_len", mode="before")
+    @classmethod
+    def _draft_len(cls, value: Any) -> Any:
+        if value == AUTO:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f'must be "auto" or an integer >= 1, got {value!r}')
+        return value
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class GenerationRequestBase(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="the served model name (optional: there is one)")
+    max_tokens: int | None = Field(None, ge=1, description="tokens to generate (default: the engine's)")
+    temperature: float = Field(1.0, ge=0, le=2, description="0 = greedy; OpenAI's default is 1")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1, description="extension: 0 or -1 = whole vocabulary")
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, description="a string or a list of strings")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, description="only 1 is supported")
+    ignore_eos: bool = Field(False, description="extension: keep generating past end-of-sequence")
+    speculation: SpeculationRequest = Field(default_factory=SpeculationRequest)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list):
+            return [s for s in value if s != ""]  # an empty stop string would match at once
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"only n=1 is supported, got {value}")
+        return value
+
+    @field_validator("speculation", mode="before")
+    @classmethod
+    def _speculation(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def num_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class CompletionRequest(GenerationRequestBase):
+    prompt: str = Field(description="the prompt, used as is (no chat template)")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+            return value[0]
+        if isinstance(value, list):
+            raise ValueError("only a single string prompt is supported")
+        return value
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(GenerationRequestBase):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
+
+    @property
+    def num_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# -- responses -------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpeculationInfo(BaseModel):
+    """What ran for one request: the shape of vLLM's per-request speculative-decoding metrics plus
+    the routing decision."""
+
+    domain: str | None = None  # set by the routing policy's classifier
+    policy_version: str | None = None  # set once a routing policy is loaded
+    drafter: str  # the drafter chosen ("none": plain decoding)
+    draft_len: int  # the k chosen (0 for plain decoding)
+    drafters: list[str]  # drafters that actually proposed, in order of first use
+    num_steps: int  # target forwards
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    mean_acceptance_length: float  # tokens per target forward, bonus included
+    acceptance_histogram: list[int]  # drafts accepted at position i, summed over steps
+    fallback_reason: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    speculation: SpeculationInfo | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    speculation: SpeculationInfo | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _without_nulls(self) -> dict[str, str]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    speculation: SpeculationInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    speculation: SpeculationInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specroute"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,135 @@
+"""Run the Serve application from a Serve config file on a local Ray instance.
+
+    serve(config_path, host, port, blocking)   `specroute serve`; tests call it with blocking=False
+    shutdown()                                  stops Serve and the Ray instance started here
+
+The config file is Ray Serve's own format (deploy/serve.cpu.yaml), so `serve run` / `serve deploy`
+accept the same file; this entry point overrides its HTTP host and port from the command line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from router.cli import CLIError
+
+QUIET_LOGGING = {"log_level": "WARNING"}  # Serve's per-request access logs are INFO
+SERVE_SHUTDOWN_TIMEOUT_S = 10.0
+
+
+def load_serve_config(path: Path) -> dict[str, Any]:
+    """A Serve config file, checked against Ray's schema; returns the parsed YAML."""
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise CLIError(f"cannot read config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise CLIError(f"config {path} is not valid YAML: {e}") from None
+    try:
+        ServeDeploySchema.model_validate(data)
+    except ValidationError as e:
+        raise CLIError(f"config {path} is not a valid Serve config: {e}") from None
+    if not data.get("applications"):
+        raise CLIError(f"config {path}: no applications")
+    return data
+
+
+def _build(app_config: dict[str, Any]) -> Any:
+    """The Application named by import_path: a builder called with args, or an Application."""
+    from ray.serve import Application
+
+    module_name, _, attr = app_config["import_path"].replace(":", ".").rpartition(".")
+    target = getattr(importlib.import_module(module_name), attr)
+    if isinstance(target, Application):
+        return target
+    try:
+        return target(app_config.get("args") or {})
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'args'}: {err['msg']}"
+                             for err in e.errors())
+        raise CLIError(f"application args: {problems}") from None
+
+
+def start_ray() -> None:
+    """A fresh local Ray instance on 127.0.0.1, quiet, without the dashboard."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
+        _node_ip_address="127.0.0.1", logging_level=logging.WARNING, configure_logging=True,
+    )
+
+
+def serve(config_path: Path, host: str = "127.0.0.1", port: int = 8000, blocking: bool = True) -> None:
+    """Deploy the config's first application on a new local Ray instance; when blocking, wait for
+    Ctrl-C (or SIGTERM) and shut everything down."""
+    import ray
+    from ray import serve as ray_serve
+
+    config = load_serve_config(config_path)
+    app_config = config["applications"][0]
+    app = _build(app_config)  # bad args are reported before Ray starts
+    start_ray()
+    try:
+        ray_serve.start(
+            proxy_location=config.get("proxy_location", "HeadOnly"),
+            http_options={"host": host, "port": port}, logging_config=QUIET_LOGGING,
+        )
+        ray_serve.run(app, name=app_config.get("name", "specroute"),
+                      route_prefix=app_config.get("route_prefix", "/"), logging_config=QUIET_LOGGING)
+    except BaseException as e:
+        shutdown()
+        if isinstance(e, Exception):
+            raise CLIError(f"deploying the application failed: {e}") from None
+        raise
+    if not blocking:
+        return
+    url = f"http://{host}:{port}{app_config.get('route_prefix', '/').rstrip('/')}"
+    print(f"SpecRoute is serving {url}/v1 (OpenAI API; health: {url}/healthz). Ctrl-C stops it.",
+          flush=True)
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        print("shutting down", flush=True)
+        shutdown()
+    assert not ray.is_initialized()
+
+
+def shutdown() -> None:
+    """Stop Serve and the Ray instance this process started (idempotent)."""
+    import ray
+    from ray import serve as ray_serve
+
+    if not ray.is_initialized():
+        return
+    # Serve's graceful shutdown waits up to 30 s for its controller, which never answers when a
+    # signal to the whole process group has stopped Ray's daemons too: give it a shorter while
+    graceful = threading.Thread(target=_quietly, args=(ray_serve.shutdown,), daemon=True)
+    graceful.start()
+    graceful.join(SERVE_SHUTDOWN_TIMEOUT_S)
+    ray.shutdown()
+
+
+def _quietly(fn: Any) -> None:
+    try:
+        fn()
+    except Exception as e:  # Ray goes down next in any case
+        logging.getLogger(__name__).warning("Serve shutdown: %s", e)

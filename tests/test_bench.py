@@ -1,0 +1,199 @@
+"""`specroute bench`: end to end on the tiny random target, and the summary arithmetic."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from bench.lossless import find_mismatches, first_difference
+from bench.methods import check_methods
+from bench.prompts import load_prompts
+from bench.records import RunRecord
+from bench.report import TABLE_HEADER, mismatch_section
+from bench.runner import BenchArgs, run_bench
+from bench.summary import OVERALL, summarize
+from workers.config import EngineConfig, NgramDrafterConfig
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+RESULT_KEYS = {"target", "device", "max_tokens", "runs", "summary", "mismatches", "verify_curve", "machine",
+               "command"}
+RUN_KEYS = {"question_id", "category", "method", "token_ids", "num_new_tokens", "wall_s", "num_steps",
+            "num_draft_tokens", "num_accepted_tokens", "accepted_per_position"}
+METHODS = ["plain", "ngram", "self", "hf", "hf-pld", "hf-assisted"]
+
+
+def write_questions(path: Path) -> Path:
+    """2 categories x 2 questions (plus one more the per-category limit must drop), Spec-Bench format."""
+    questions = [
+        (1, "summarization", "Summarize: the cat sat on the mat. The cat sat on the mat again."),
+        (2, "coding", "Write a Python function that adds two numbers."),
+        (3, "summarization", "Summarize: rain fell all day; the river rose; the bridge closed."),
+        (4, "coding", "Fix the bug: def f(x): return x +"),
+        (5, "summarization", "A third summary the limit drops."),
+    ]
+    path.write_text("".join(
+        json.dumps({"question_id": q, "category": c, "turns": [t, "a second turn, never used"]}) + "\n"
+        for q, c, t in questions
+    ))
+    return path
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory, tiny_config: EngineConfig) -> tuple[dict, Path]:
+    tmp = tmp_path_factory.mktemp("bench")
+    args = BenchArgs(
+        prompts=write_questions(tmp / "q.jsonl"), per_category=2, max_tokens=16, methods=METHODS,
+        out=tmp / "out", config=tiny_config, categories=None, warmup=1, verify_curve=True,
+        command="specroute bench --test", verify_ks=[0, 1, 4], verify_reps=2,
+    )
+    return run_bench(args), args.out
+
+
+def test_results_contract(bench_run: tuple[dict, Path]) -> None:
+    results, out = bench_run
+    on_disk = json.loads((out / "results.json").read_text())
+    assert set(on_disk) == RESULT_KEYS
+    assert on_disk["max_tokens"] == 16 and on_disk["device"] == "cpu"
+    assert len(on_disk["runs"]) == 4 * len(METHODS)  # question 5 dropped by per_category
+    assert {r["question_id"] for r in on_disk["runs"]} == {1, 2, 3, 4}
+    for run in on_disk["runs"]:
+        assert RUN_KEYS <= set(run)
+        assert run["num_new_tokens"] == len(run["token_ids"]) <= 16
+    assert list(on_disk["summary"]) == ["summarization", "coding", OVERALL]
+    for by_method in on_disk["summary"].values():
+        assert list(by_method) == METHODS
+        assert set(by_method["plain"]) == {"speedup", "mat", "tokens_per_s", "lossless"}
+        assert by_method["plain"]["speedup"] == 1.0 and by_method["plain"]["mat"] == 1.0
+        # decisive random logits: no near-ties, so every method must reproduce plain exactly
+        assert all(s["lossless"] for s in by_method.values()), by_method
+    assert on_disk["mismatches"] == []
+    # the draft model equal to the target accepts everything; transformers' plain generate takes
+    # one forward per token (the forward hook counts exactly)
+    runs = {(r["question_id"], r["method"]): r for r in on_disk["runs"]}
+    for q in (1, 2, 3, 4):
+        assert on_disk["summary"][OVERALL]["self"]["mat"] > 1.0
+        hf = runs[q, "hf"]
+        assert hf["num_steps"] == hf["num_new_tokens"] and hf["num_draft_tokens"] == 0
+        assert runs[q, "self"]["num_accepted_tokens"] == runs[q, "self"]["num_draft_tokens"]
+        # the assistant is the target itself: transformers accepts every candidate too
+        assisted = runs[q, "hf-assisted"]
+        assert assisted["num_steps"] < assisted["num_new_tokens"]
+        assert 0 < assisted["num_accepted_tokens"] <= assisted["num_draft_tokens"]
+    curve = on_disk["verify_curve"]
+    assert curve["ks"] == [0, 1, 4] and curve["ratio"][0] == 1.0
+    assert set(curve["bandwidth_floor"]) == {"weights_bytes", "bandwidth_gb_s", "floor_s", "plain_step_s",
+                                             "floor_fraction"}
+    assert curve["bandwidth_floor"]["weights_bytes"] > 0 and curve["bandwidth_floor"]["bandwidth_gb_s"] > 0
+    assert results["summary"] == on_disk["summary"]
+
+
+def test_report_and_plots(bench_run: tuple[dict, Path]) -> None:
+    _, out = bench_run
+    report = (out / "report.md").read_text()
+    assert TABLE_HEADER in report and "specroute bench --test" in report
+    assert "| k | T(1+k) ms | T(1+k)/T(1) |" in report
+    for name in ("speedup.png", "acceptance_by_position.png", "verify_curve.png"):
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
+
+
+def test_cli_bench(tmp_path: Path, tiny_config: EngineConfig, capsys: pytest.CaptureFixture[str]) -> None:
+    from router.cli import main
+
+    config = tmp_path / "engine.yaml"
+    config.write_text(yaml.safe_dump(tiny_config.model_dump(mode="json")))
+    prompts = write_questions(tmp_path / "q.jsonl")
+    common = ["bench", "--prompts", str(prompts), "--per-category", "1", "--max-tokens", "8",
+              "--config", str(config), "--warmup", "0", "--no-verify-curve"]
+    out = tmp_path / "out"
+    assert main([*common, "--categories", "coding", "--methods", "plain,ngram", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [(r["question_id"], r["method"]) for r in results["runs"]] == [(2, "plain"), (2, "ngram")]
+    assert results["verify_curve"] is None and not (out / "verify_curve.png").exists()
+
+    assert main([*common, "--methods", "plain,ngarm", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "ngarm" in err and "ngram" in err  # names the bad method and lists the valid ones
+    assert not (tmp_path / "bad").exists()
+
+
+def test_bad_methods_and_categories(tmp_path: Path) -> None:
+    config = EngineConfig(drafters=[NgramDrafterConfig()])
+    assert check_methods(["ngram", "hf", "ngram"], config) == ["plain", "ngram", "hf"]
+    with pytest.raises(ValueError, match="'router' is not available yet"):
+        check_methods(["router"], config)
+    with pytest.raises(ValueError, match="hf-assisted.*kind 'model'"):
+        check_methods(["hf-assisted"], config)
+    prompts = write_questions(tmp_path / "q.jsonl")
+    with pytest.raises(ValueError, match="unknown category 'poetry'.*available: summarization, coding"):
+        load_prompts(prompts, 1, ["poetry"])
+    assert [p.question_id for p in load_prompts(prompts, 2, ["coding", "summarization"])] == [1, 3, 2, 4]
+
+
+def _record(
+    qid: int, category: str, method: str, wall_s: float, tokens: list[int], steps: int | None,
+) -> RunRecord:
+    return RunRecord(qid, category, method, tokens, len(tokens), wall_s, steps, None, None, None, None)
+
+
+def test_summary_arithmetic() -> None:
+    records = [
+        _record(1, "a", "plain", 2.0, [1, 2, 3, 4], 4), _record(1, "a", "ngram", 1.0, [1, 2, 3, 4], 2),
+        _record(2, "a", "plain", 4.0, [5, 6], 2), _record(2, "a", "ngram", 1.0, [5, 6], 1),
+        _record(3, "b", "plain", 3.0, [7, 8], 2), _record(3, "b", "ngram", 6.0, [7, 9], 2),
+        _record(3, "b", "hf-pld", 3.0, [7, 8], None),
+    ]
+    summary = summarize(records)
+    assert list(summary) == ["a", "b", OVERALL]
+    a, b, overall = summary["a"], summary["b"], summary[OVERALL]
+    assert a["plain"].speedup == 1.0 and a["plain"].mat == 1.0
+    assert a["ngram"].speedup == pytest.approx(6.0 / 2.0)  # ratio of wall sums, not mean of ratios (2, 4)
+    assert a["ngram"].mat == pytest.approx(6 / 3) and a["ngram"].tokens_per_s == pytest.approx(6 / 2.0)
+    assert a["ngram"].lossless and not b["ngram"].lossless
+    assert b["ngram"].speedup == pytest.approx(0.5)
+    assert b["hf-pld"].mat is None and b["hf-pld"].lossless  # forwards unknown: no MAT
+    assert overall["ngram"].speedup == pytest.approx(9.0 / 8.0) and not overall["ngram"].lossless
+    assert overall["hf-pld"].speedup == pytest.approx(1.0)  # only over the prompts it ran on
+    assert "hf-pld" not in summary["a"] or summary["a"]["hf-pld"].speedup is None
+
+
+class _FixedLogits(torch.nn.Module):
+    """A stand-in target whose next-token logits are the same rows whatever the input."""
+
+    def __init__(self, rows: list[list[float]]) -> None:
+        super().__init__()
+        self.rows = torch.tensor(rows)
+        self.device = torch.device("cpu")
+        self.calls = 0
+
+    def forward(self, input_ids: torch.Tensor, logits_to_keep: int) -> SimpleNamespace:
+        self.calls += 1
+        return SimpleNamespace(logits=self.rows[-logits_to_keep:][None])
+
+
+def test_mismatch_position_and_gap() -> None:
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+    # rows predict generated positions 0, 1, 2 (after plain's 2 tokens): gaps 2.0, 5e-4, 1.0
+    target = _FixedLogits([[0.0, 2.0, 0.0], [1.0, 0.0, 1.0005], [0.0, 0.0, 1.0]])
+    records = [
+        _record(7, "a", "plain", 1.0, [1, 2], 2), _record(7, "a", "ngram", 1.0, [1, 0], 1),
+        _record(7, "a", "hf", 1.0, [1, 2, 2], 3), _record(8, "a", "plain", 1.0, [4], 1),
+        _record(8, "a", "ngram", 1.0, [4], 1),
+    ]
+    mismatches = find_mismatches(records, {7: [9, 9], 8: [9]}, lambda: target)
+    assert [(m.method, m.position, m.plain_token, m.method_token, m.near_tie) for m in mismatches] == [
+        ("ngram", 1, 2, 0, True), ("hf", 2, None, 2, False),
+    ]
+    assert mismatches[0].top2_gap == pytest.approx(5e-4, abs=1e-6)
+    assert target.calls == 1  # one forward per prompt, however many methods differ on it
+    section = "\n".join(mismatch_section([asdict(m) for m in mismatches]))
+    assert "| 7 | a | ngram | 1 | 2 | 0 |" in section
+    never = find_mismatches(records[-2:], {8: [9]}, lambda: pytest.fail("no mismatch, no model load"))
+    assert never == []

@@ -1,0 +1,102 @@
+"""`specroute generate` as a user runs it: a subprocess on the real target."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."
+JSON_KEYS = {"text", "token_ids", "domain", "drafter", "num_steps", "num_draft_tokens",
+             "num_accepted_tokens", "mean_acceptance_length", "wall_s"}
+
+
+def specroute(*args: str, entry_point: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
+    script = Path(sys.executable).parent / "specroute"
+    cmd = [str(script)] if entry_point else [sys.executable, "-m", "router.cli"]
+    return subprocess.run([*cmd, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def generate_json(*args: str, **kw) -> dict:
+    proc = specroute("generate", "--prompt", PROMPT, "--json", "--max-tokens", "8", *args, **kw)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    return json.loads(proc.stdout)  # stdout is exactly one JSON object
+
+
+@pytest.fixture(scope="module")
+def plain_json() -> dict:
+    return generate_json("--drafter", "none", entry_point=True)
+
+
+def test_generate_json_has_the_documented_fields(plain_json: dict) -> None:
+    out = plain_json
+    assert JSON_KEYS <= set(out)
+    assert isinstance(out["text"], str) and out["text"]
+    assert isinstance(out["token_ids"], list) and all(isinstance(t, int) for t in out["token_ids"])
+    assert 1 <= len(out["token_ids"]) <= 8
+    assert out["drafter"] == "none"
+    assert out["num_draft_tokens"] == 0 and out["num_accepted_tokens"] == 0
+    assert out["num_steps"] == len(out["token_ids"])  # plain: one token per target forward
+    assert out["mean_acceptance_length"] == pytest.approx(1.0)
+    assert isinstance(out["wall_s"], (int, float)) and out["wall_s"] > 0
+
+
+def test_generate_ngram_gives_the_same_tokens_as_plain(plain_json: dict) -> None:
+    out = generate_json("--drafter", "ngram")
+    assert out["drafter"] == "ngram"
+    assert out["token_ids"] == plain_json["token_ids"]
+    assert out["text"] == plain_json["text"]
+    assert 0 <= out["num_accepted_tokens"] <= out["num_draft_tokens"]
+    assert out["num_steps"] <= len(out["token_ids"])
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lowered = proc.stderr.lower()
+    for needle in needles:
+        assert needle.lower() in lowered, (needle, proc.stderr[-2000:])
+    assert proc.stdout.strip() == ""
+
+
+def test_empty_prompt_is_refused() -> None:
+    proc = specroute("generate", "--prompt", "   ", "--json")
+    assert_user_error(proc, "prompt", "empty")
+
+
+@pytest.mark.parametrize("value", ["0", "-4", "many"])
+def test_bad_max_tokens_is_refused(value: str) -> None:
+    proc = specroute("generate", "--prompt", PROMPT, f"--max-tokens={value}")
+    assert_user_error(proc, "max-tokens", value)
+
+
+def test_unknown_drafter_is_refused() -> None:
+    proc = specroute("generate", "--prompt", PROMPT, "--drafter", "no-such-drafter")
+    assert_user_error(proc, "no-such-drafter", "ngram")
+
+
+def test_bad_sampling_value_is_refused() -> None:
+    proc = specroute("generate", "--prompt", PROMPT, "--top-p", "1.5")
+    assert_user_error(proc, "top_p", "1.5")
+
+
+def test_prompt_beyond_the_context_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "engine.yaml"
+    config.write_text("target:\n  max_model_len: 64\n")
+    long_prompt = "Please summarise the following text. " + "The cat sat on the mat. " * 20
+    proc = specroute("generate", "--prompt", long_prompt, "--max-tokens", "8", "--config", str(config))
+    assert_user_error(proc, "64", "context")
+
+
+def test_invalid_config_names_the_field(tmp_path: Path) -> None:
+    config = tmp_path / "engine.yaml"
+    config.write_text("target:\n  max_model_len: -5\n")
+    proc = specroute("generate", "--prompt", PROMPT, "--config", str(config))
+    assert_user_error(proc, "max_model_len", str(config))
+    proc = specroute("generate", "--prompt", PROMPT, "--config", str(tmp_path / "missing.yaml"))
+    assert_user_error(proc, "missing.yaml")

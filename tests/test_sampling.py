@@ -1,0 +1,147 @@
+"""SamplingParams validation and probs_from_logits (temperature, top-k, top-p)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from workers.sampling import SamplingParams, make_generator, probs_from_logits
+
+
+def params(**kw) -> SamplingParams:
+    return SamplingParams(temperature=kw.pop("temperature", 1.0), **kw)
+
+
+def log_probs(*probs: float) -> torch.Tensor:
+    """[1, n] logits whose softmax is probs (given in any order)."""
+    return torch.tensor([[math.log(p) for p in probs]])
+
+
+def test_temperature_scales_logits_before_softmax() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 0.5, 3.0, -2.0]])
+    for t in (0.25, 0.7, 1.0, 2.0, 10.0):
+        got = probs_from_logits(logits, params(temperature=t))
+        torch.testing.assert_close(got, torch.softmax(logits / t, dim=-1))
+    cold = probs_from_logits(logits, params(temperature=0.05))
+    hot = probs_from_logits(logits, params(temperature=50.0))
+    assert cold[0, 0] > 0.999  # low temperature concentrates on the argmax
+    assert (hot - 0.25).abs().max() < 0.02  # high temperature flattens
+
+
+def test_output_is_float32_and_rows_sum_to_one() -> None:
+    logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for p in (params(), params(top_k=7), params(top_p=0.5), params(top_k=20, top_p=0.9, temperature=0.6)):
+        probs = probs_from_logits(logits, p)
+        assert probs.dtype == torch.float32
+        assert probs.shape == (5, 100)
+        torch.testing.assert_close(probs.sum(-1), torch.ones(5))
+        assert (probs >= 0).all()
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 99])
+def test_top_k_keeps_exactly_the_k_largest(k: int) -> None:
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(k))  # distinct values
+    probs = probs_from_logits(logits, params(top_k=k))
+    assert ((probs > 0).sum(-1) == k).all()
+    top = torch.topk(logits, k, dim=-1).indices
+    kept = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, top, True)
+    assert (probs[~kept] == 0).all()
+    # the kept tokens keep their relative odds: softmax renormalised over the top k
+    expected = torch.softmax(logits.masked_fill(~kept, float("-inf")), dim=-1)
+    torch.testing.assert_close(probs, expected)
+
+
+@pytest.mark.parametrize("k", [0, 100, 1000])
+def test_top_k_zero_or_at_least_vocab_keeps_everything(k: int) -> None:
+    logits = torch.randn(2, 100, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(probs_from_logits(logits, params(top_k=k)), torch.softmax(logits, -1))
+
+
+@pytest.mark.parametrize(
+    ("top_p", "num_kept"),
+    [
+        (0.3, 1),  # the argmax alone already holds 0.5
+        (0.51, 2),
+        (0.79, 2),  # 0.5 + 0.3 = 0.8 >= 0.79
+        (0.81, 3),
+        (0.96, 4),
+        (1.0, 5),
+    ],
+)
+def test_top_p_keeps_smallest_prefix_reaching_top_p(top_p: float, num_kept: int) -> None:
+    # probabilities 0.5, 0.3, 0.15, 0.04, 0.01, shuffled so position is not rank
+    order = [3, 0, 4, 1, 2]
+    base = [0.5, 0.3, 0.15, 0.04, 0.01]
+    logits = log_probs(*[base[i] for i in order])
+    probs = probs_from_logits(logits, params(top_p=top_p))[0]
+    kept = {order.index(rank) for rank in range(num_kept)}  # positions of the top num_kept
+    assert {i for i in range(5) if probs[i] > 0} == kept
+    mass = sum(base[:num_kept])
+    for rank in range(num_kept):
+        assert probs[order.index(rank)].item() == pytest.approx(base[rank] / mass, rel=1e-5)
+
+
+def test_top_p_always_keeps_the_argmax_even_for_tiny_top_p() -> None:
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(2))
+    probs = probs_from_logits(logits, params(top_p=1e-6))
+    argmax = logits.argmax(-1)
+    torch.testing.assert_close(probs, torch.nn.functional.one_hot(argmax, 50).float())
+
+
+def test_top_p_is_applied_per_row() -> None:
+    # row 0 is peaked (argmax 0.9 alone reaches 0.8), row 1 is flat (needs 4 of 5 tokens)
+    logits = torch.cat([log_probs(0.9, 0.04, 0.03, 0.02, 0.01), log_probs(0.2, 0.2, 0.2, 0.2, 0.2) + 1.0])
+    logits[1] += torch.tensor([0.0, 1e-3, 2e-3, 3e-3, 4e-3])  # break the ties
+    probs = probs_from_logits(logits, params(top_p=0.8))
+    assert (probs[0] > 0).sum() == 1
+    assert (probs[1] > 0).sum() == 4
+    assert probs[1, 0] == 0  # the smallest one goes
+
+
+def test_top_k_then_top_p_support_is_within_top_k() -> None:
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    probs = probs_from_logits(logits, params(top_k=5, top_p=0.9))
+    top5 = torch.topk(logits, 5, dim=-1).indices
+    in_top5 = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, top5, True)
+    assert (probs[~in_top5] == 0).all()
+    assert ((probs > 0).sum(-1) >= 1).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
+
+
+# ---------------------------------------------------------------------------------------------
+# SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": -0.5}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+    ],
+)
+def test_sampling_params_rejects_bad_values_naming_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field) as info:
+        SamplingParams(**kwargs)
+    value = next(iter(kwargs.values()))
+    assert str(value) in str(info.value)
+
+
+def test_sampling_params_accepts_boundary_values() -> None:
+    p = SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=0)
+    assert p.greedy
+    assert not SamplingParams(temperature=1e-3).greedy
+    SamplingParams(top_p=1e-9)
+
+
+def test_make_generator_seeded_streams_repeat_and_unseeded_differ() -> None:
+    a, b = make_generator(42), make_generator(42)
+    assert torch.equal(torch.rand(8, generator=a), torch.rand(8, generator=b))
+    assert not torch.equal(torch.rand(8, generator=make_generator(42)), torch.rand(8, generator=make_generator(43)))
+    assert not torch.equal(torch.rand(8, generator=make_generator(None)), torch.rand(8, generator=make_generator(None)))

@@ -1,0 +1,344 @@
+"""The real Serve application over HTTP: local Ray, Serve on 127.0.0.1, the tiny random target.
+
+One app per module (starting Ray and Serve takes most of this module's time). The `openai` client
+is used unchanged where it can be; raw HTTP where the test is about the wire (SSE, error shapes).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from workers.config import EngineConfig
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny-test-model"
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+GREEDY = {"temperature": 0, "max_tokens": 24}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from router.serve import serve, shutdown
+
+    port = _free_port()
+    config = {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{
+            "name": "specroute", "route_prefix": "/", "import_path": "router.app:build_app",
+            "args": {
+                "served_model_name": MODEL, "engine": tiny_config.model_dump(mode="json"),
+                "max_ongoing_requests": 8, "num_replicas": 1, "num_cpus": 1, "num_gpus": 0,
+            },
+        }],
+    }
+    path = tmp_path_factory.mktemp("serve") / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    serve(path, host="127.0.0.1", port=port, blocking=False)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str):  # -> openai.OpenAI
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _chat(base_url: str, **body) -> requests.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count: one two three"}], **body}
+    return requests.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+
+
+def _sse(response: requests.Response) -> Iterator[dict | str]:
+    """Parsed `data:` events of an SSE response; "[DONE]" as the string."""
+    for line in response.iter_lines():
+        if line:
+            assert line.startswith(b"data: "), line
+            data = line[len(b"data: "):]
+            yield "[DONE]" if data == b"[DONE]" else json.loads(data)
+
+
+# -- configuration ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["serve.cpu.yaml", "serve.gpu.yaml"])
+def test_deploy_configs_validate(name: str) -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    from router.app import AppArgs
+    from router.cli import load_engine_config
+
+    path = DEPLOY / name
+    data = yaml.safe_load(path.read_text())
+    ServeDeploySchema.model_validate(data)
+    engine = load_engine_config(path)
+    app = data["applications"][0]
+    assert app["import_path"] == "router.app:build_app"
+    args = AppArgs.model_validate(app["args"])
+    assert args.engine == engine and engine.drafters
+    assert args.num_gpus == (1 if "gpu" in name else 0)
+
+
+# -- the HTTP contract ---------------------------------------------------------------------------
+def test_healthz_and_models(base_url: str, client) -> None:
+    assert requests.get(f"{base_url}/healthz", timeout=10).status_code == 200
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_completion(client) -> None:
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=16, temperature=0)
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(out.choices[0].message.content, str)
+    assert 0 < out.usage.completion_tokens <= 16
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    spec = out.model_extra["speculation"]
+    assert spec["drafter"] == "ngram"  # auto = the first configured drafter, for now
+    assert spec["domain"] is None and spec["policy_version"] is None and spec["fallback_reason"] is None
+
+
+def test_completion_max_completion_tokens_and_raw_prompt(client) -> None:
+    out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert out.object == "text_completion" and out.usage.completion_tokens <= 8
+    # the raw prompt is not wrapped in the chat template: 4-ish tokens, not 30
+    assert out.usage.prompt_tokens < 10
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_completion_tokens=5, max_tokens=50, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 5 and chat.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_stream_equals_non_stream(client, kind: str) -> None:
+    common = {"model": MODEL, "max_tokens": 40, "temperature": 0}
+    if kind == "chat":
+        messages = [{"role": "user", "content": "Tell a story"}]
+        full = client.chat.completions.create(messages=messages, **common)
+        stream = client.chat.completions.create(
+            messages=messages, stream=True,
+            stream_options={"include_usage": True}, **common)
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        expected = full.choices[0].message.content
+        assert chunks[0].choices[0].delta.role == "assistant"
+    else:
+        full = client.completions.create(prompt="Tell a story", **common)
+        chunks = list(client.completions.create(prompt="Tell a story", stream=True,
+                                                stream_options={"include_usage": True}, **common))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        expected = full.choices[0].text
+    assert text == expected
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == full.choices[0].finish_reason
+    assert finals[0].model_extra["speculation"] == full.model_extra["speculation"]
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage  # include_usage: last chunk
+
+
+def test_sse_wire_format(base_url: str) -> None:
+    with requests.post(f"{base_url}/v1/completions", stream=True, timeout=60,
+                       json={"model": MODEL, "prompt": "abc", "stream": True, **GREEDY}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = list(_sse(r))
+    assert events[-1] == "[DONE]"
+    assert all(e["object"] == "text_completion" and "usage" not in e for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] and "speculation" in events[-2]
+
+
+def test_stop_string_streamed_and_not(base_url: str) -> None:
+    body = {"model": MODEL, "prompt": "The list:", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    text = requests.post(f"{base_url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert len(text) > 12
+    stop = text[8:11]
+    body["stop"] = [stop, "\x00never"]
+    out = requests.post(f"{base_url}/v1/completions", json=body, timeout=60).json()
+    assert out["choices"][0]["text"] == text[: text.index(stop)]
+    assert out["choices"][0]["finish_reason"] == "stop"
+    with requests.post(f"{base_url}/v1/completions", json={**body, "stream": True}, stream=True,
+                       timeout=60) as r:
+        streamed = "".join(e["choices"][0]["text"] for e in _sse(r) if e != "[DONE]")
+    assert streamed == out["choices"][0]["text"]
+
+
+def test_drafters_are_lossless_and_stats_consistent(base_url: str) -> None:
+    body = {"max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    results = {d: _chat(base_url, speculation={"drafter": d}, **body).json()
+               for d in ("none", "ngram", "self")}
+    texts = {d: r["choices"][0]["message"]["content"] for d, r in results.items()}
+    assert texts["none"] == texts["ngram"] == texts["self"]
+    for drafter, r in results.items():
+        spec, usage = r["speculation"], r["usage"]
+        assert spec["drafter"] == drafter
+        assert usage["completion_tokens"] == 48 and r["choices"][0]["finish_reason"] == "length"
+        # every step emits its accepted tokens plus one (ignore_eos, so nothing was trimmed)
+        assert spec["num_steps"] + spec["num_accepted_tokens"] == usage["completion_tokens"]
+        assert spec["mean_acceptance_length"] == round(usage["completion_tokens"] / spec["num_steps"], 4)
+        assert sum(spec["acceptance_histogram"]) == spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+        hist = spec["acceptance_histogram"]
+        assert all(a >= b for a, b in zip(hist, hist[1:]))  # reaching position i+1 passes position i
+    assert results["none"]["speculation"] | {"drafters": None} == results["none"]["speculation"] | {
+        "draft_len": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "acceptance_histogram": [],
+        "drafters": None, "num_steps": 48}
+    self_spec = results["self"]["speculation"]  # a drafter identical to the target: all accepted
+    assert self_spec["draft_len"] == 4 and self_spec["drafters"] == ["self"]
+    assert self_spec["num_accepted_tokens"] == self_spec["num_draft_tokens"] > 0
+
+
+def test_draft_len_and_seeded_sampling(base_url: str) -> None:
+    r = _chat(base_url, speculation={"drafter": "self", "draft_len": 2}, **GREEDY).json()
+    assert r["speculation"]["draft_len"] == 2 and len(r["speculation"]["acceptance_histogram"]) <= 2
+    sampled = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 7, "max_tokens": 24}
+    a, b = (_chat(base_url, speculation={"drafter": "other"}, **sampled).json() for _ in range(2))
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+
+
+def test_concurrent_streams_interleave(base_url: str) -> None:
+    """B starts while A is generating; B's first token arrives before A finishes, and A keeps
+    producing tokens while B runs: the replica interleaves steps, nobody waits for a whole request."""
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    a_started = threading.Event()
+
+    def run(name: str, max_tokens: int) -> None:
+        body = {"model": MODEL, "prompt": f"Request {name}:", "stream": True, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "speculation": {"drafter": "none"}}
+        with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=120) as r:
+            assert r.status_code == 200
+            for event in _sse(r):
+                with lock:
+                    events.append((name, "done" if event == "[DONE]" else "chunk"))
+                a_started.set() if name == "A" else None
+
+    a = threading.Thread(target=run, args=("A", 600))
+    a.start()
+    assert a_started.wait(60)
+    b = threading.Thread(target=run, args=("B", 60))
+    b.start()
+    a.join(120)
+    b.join(120)
+    assert ("A", "done") in events and ("B", "done") in events
+    b_first = events.index(("B", "chunk"))
+    a_done = events.index(("A", "done"))
+    assert b_first < a_done  # B did not wait for A to finish
+    assert ("A", "chunk") in events[b_first:a_done]  # and A was not paused while B ran
+
+
+def test_client_disconnect_frees_the_request(base_url: str) -> None:
+    from ray import serve
+
+    worker = serve.get_deployment_handle("TargetWorker", app_name="specroute")
+    before = worker.status.remote().result()
+    body = {"model": MODEL, "prompt": "Long:", "stream": True, "max_tokens": 900, "temperature": 0,
+            "ignore_eos": True, "speculation": {"drafter": "none"}}
+    with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=60) as r:
+        next(_sse(r))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status = worker.status.remote().result()
+        if status["num_active"] == 0 and status["num_cancelled"] > before["num_cancelled"]:
+            break
+        time.sleep(0.2)
+    assert status["num_cancelled"] == before["num_cancelled"] + 1, status
+    assert status["num_finished"] == before["num_finished"] and status["num_active"] == 0
+
+
+# -- errors ------------------------------------------------------------------------------------------
+LONG_PROMPT = "lorem ipsum " * 600  # > 1024 tokens, the tiny config's max_model_len
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("chat", {"max_tokens": 0}, "max_tokens"),
+    ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("chat", {"temperature": -1}, "temperature"),
+    ("chat", {"top_p": 0}, "top_p"),
+    ("chat", {"messages": None}, "messages"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ("chat", {"n": 2}, "n"),
+    ("chat", {"speculation": {"drafter": "nope"}}, "speculation.drafter"),
+    ("chat", {"speculation": {"drafter": "nope"}, "stream": True}, "speculation.drafter"),
+    ("chat", {"speculation": {"draft_len": 0}}, "speculation.draft_len"),
+    ("chat", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, "messages"),
+    ("completions", {"prompt": LONG_PROMPT}, "prompt"),
+    ("completions", {"prompt": LONG_PROMPT, "stream": True}, "prompt"),
+    ("completions", {"prompt": "hi", "max_tokens": 5000}, "prompt"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {}, "prompt"),
+    ("completions", {"prompt": "hi", "stop": 3}, "stop"),
+])
+def test_bad_request_is_400_naming_the_field(base_url: str, path: str, body: dict, param: str) -> None:
+    default = {"messages": [{"role": "user", "content": "hi"}]} if path == "chat" else {}
+    body = {"model": MODEL, **default, **body}
+    if body.get("messages", "") is None:
+        del body["messages"]
+    url = f"{base_url}/v1/{'chat/completions' if path == 'chat' else 'completions'}"
+    r = requests.post(url, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+def test_openai_client_raises_bad_request(client) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+    assert info.value.status_code == 400 and info.value.body["param"] == "n"
+
+
+def test_unknown_model_is_404(base_url: str, client) -> None:
+    r = _chat(base_url, model="gpt-5")
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-5", prompt="x")
+
+
+def test_malformed_json_and_unknown_route(base_url: str) -> None:
+    r = requests.post(f"{base_url}/v1/completions", data=b"{not json", timeout=10,
+                      headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = requests.get(f"{base_url}/v1/nothing", timeout=10)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+# -- the worker's text deltas (no server) ------------------------------------------------------------
+@pytest.mark.parametrize(("text", "sent", "stop", "delta"), [
+    ("abc", "", (), "abc"),
+    ("abc\ufffd", "", (), "abc"),  # an incomplete UTF-8 character waits for its next byte
+    ("abc\n", "", ("\n\n",), "abc"),  # may become the stop string: held back
+    ("abc\nd", "abc", ("\n\n",), "\nd"),
+    ("say EN", "say", ("END", "x"), " "),
+    ("abc", "abc", ("c",), ""),
+])
+def test_safe_delta(text: str, sent: str, stop: tuple[str, ...], delta: str) -> None:
+    from workers.deployment import _safe_delta
+
+    assert _safe_delta(text, sent, stop) == delta
+
+
+def test_worker_errors_map_to_openai_errors() -> None:
+    from router.app import _as_api_error
+    from workers.deployment import InvalidRequest
+
+    bad = _as_api_error(InvalidRequest("too long", "messages", "context_length_exceeded")).body.error
+    assert (bad.message, bad.param, bad.code, bad.type) == (
+        "too long", "messages", "context_length_exceeded", "invalid_request_error")
+    crash = _as_api_error(RuntimeError("boom"))
+    assert crash.status == 500 and crash.body.error.type == "internal_error"

@@ -1,0 +1,293 @@
+"""Ray Serve deployment of the target: one SpecEngine per replica, requests interleaved step by step.
+
+The one Ray module in workers/. Concurrent requests on a replica share one background task, the
+step loop: it admits new requests (encode + prefill), then advances every active Generation by one
+speculative step, round-robin, and pushes each step's new tokens and text to that request's queue.
+All torch work runs on one engine thread, so the event loop stays free and no request waits for
+another to finish. A request whose consumer goes away is dropped and its Generation closed, by the
+loop, between steps.
+
+The wire types (`GenerateRequest`, `Chunk`, `FinalStats`, `InvalidRequest`) are plain dataclasses
+without torch: the ingress imports this module without loading the engine, which is imported when a
+replica starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
+
+from ray import serve
+
+from workers.config import PLAIN, EngineConfig
+
+if TYPE_CHECKING:
+    from workers.engine import Generation, SpecEngine
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+# -- wire types ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One request as the ingress hands it over: prompt, sampling, and the speculation plan."""
+
+    prompt: str | list[dict[str, str]]  # raw text (no chat template) or chat messages
+    max_tokens: int | None = None  # None: SamplingParams' default
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    drafter: str = PLAIN  # a configured drafter name or PLAIN; "auto" is resolved by the router
+    draft_len: int | None = None  # None: the drafter's static draft_len
+
+    @property
+    def prompt_param(self) -> str:
+        """The request field that carried the prompt, for error messages."""
+        return "messages" if isinstance(self.prompt, list) else "prompt"
+
+
+@dataclass(frozen=True)
+class FinalStats:
+    """A finished request's statistics (GenerationResult without torch and per-step detail)."""
+
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    num_steps: int  # target forwards
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+    drafter: str  # the drafter asked for (PLAIN for plain decoding)
+    draft_len: int  # the static k asked for
+    drafters_used: list[str]  # drafters that actually proposed, in order of first use
+    fallback_reason: str | None
+    prefill_s: float
+    wall_s: float
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per target forward, bonus included."""
+        return self.num_completion_tokens / self.num_steps if self.num_steps else 0.0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New output since the previous chunk; the last one carries finish_reason and stats.
+    `generate` returns the whole output as one such chunk."""
+
+    token_ids: list[int]
+    text: str  # text delta; held back while it may be an incomplete character or stop string
+    finish_reason: str | None = None  # "stop" or "length" on the last chunk
+    stats: FinalStats | None = None
+
+
+class InvalidRequest(ValueError):
+    """The request cannot be served as asked (HTTP 400): `param` names the request field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message, param, code)
+        self.message, self.param, self.code = message, param, code
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# -- the deployment ------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Slot:
+    request: GenerateRequest
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # Chunk | BaseException
+    gen: Generation | None = None
+    drafter: str = PLAIN
+    draft_len: int = 0
+    num_sent_ids: int = 0
+    sent_text: str = ""
+    abandoned: bool = False  # set by the consumer when it stops reading (finished or cancelled)
+
+
+@serve.deployment(max_ongoing_requests=16, ray_actor_options={"num_cpus": 1})
+class TargetWorker:
+    """Hosts a SpecEngine; `stream` and `generate` serve GenerateRequests concurrently."""
+
+    def __init__(self, engine_config: dict[str, Any] | EngineConfig) -> None:
+        from workers import engine, sampling  # torch: only where a replica runs
+
+        self._engine_mod, self._sampling_mod = engine, sampling
+        self.config = EngineConfig.model_validate(engine_config)
+        self.engine: SpecEngine = engine.SpecEngine.from_config(self.config)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specroute-engine")
+        self._pending: deque[_Slot] = deque()
+        self._active: list[_Slot] = []
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._num_finished = 0
+        self._num_cancelled = 0
+
+    # -- public methods (called through DeploymentHandles) ------------------------------------
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+        """Chunks of one request as its steps complete. Raises InvalidRequest before the first
+        chunk when the request cannot be served."""
+        slot = _Slot(request)
+        self._pending.append(slot)
+        self._ensure_loop()
+        self._wake.set()
+        try:
+            while True:
+                item = await slot.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            slot.abandoned = True  # when still active, the step loop closes it
+            self._wake.set()
+
+    async def generate(self, request: GenerateRequest) -> Chunk:
+        """The whole output as one chunk."""
+        token_ids: list[int] = []
+        texts: list[str] = []
+        last: Chunk | None = None
+        async for last in self.stream(request):
+            token_ids += last.token_ids
+            texts.append(last.text)
+        assert last is not None and last.finish_reason is not None
+        return Chunk(token_ids, "".join(texts), last.finish_reason, last.stats)
+
+    def status(self) -> dict[str, int]:
+        return {
+            "num_pending": len(self._pending), "num_active": len(self._active),
+            "num_finished": self._num_finished, "num_cancelled": self._num_cancelled,
+        }
+
+    # -- the step loop --------------------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+
+    async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _step_loop(self) -> None:
+        while True:
+            if not self._pending and not self._active:
+                self._wake.clear()
+                await self._wake.wait()
+            while self._pending:  # admit: encode + prefill
+                slot = self._pending.popleft()
+                if slot.abandoned:
+                    continue
+                try:
+                    await self._on_engine(self._admit, slot)
+                except Exception as e:  # InvalidRequest, or a bug: the consumer raises it
+                    slot.queue.put_nowait(e)
+                    continue
+                self._active.append(slot)
+            for slot in list(self._active):  # one step each, round-robin
+                await self._advance(slot)
+
+    async def _advance(self, slot: _Slot) -> None:
+        if slot.abandoned:
+            self._remove(slot)
+            self._num_cancelled += 1
+            await self._on_engine(self._close, slot)
+            return
+        try:
+            chunk = await self._on_engine(self._step, slot)
+        except Exception as e:
+            log.exception("generation failed")
+            self._remove(slot)
+            slot.queue.put_nowait(RuntimeError(f"generation failed: {e!r}"))
+            await self._on_engine(self._close, slot)
+            return
+        slot.queue.put_nowait(chunk)
+        if chunk.finish_reason is not None:
+            self._remove(slot)
+            self._num_finished += 1
+
+    def _remove(self, slot: _Slot) -> None:
+        if slot in self._active:
+            self._active.remove(slot)
+
+    # -- on the engine thread -----------------------------------------------------------------
+    def _admit(self, slot: _Slot) -> None:
+        r, engine = slot.request, self.engine
+        try:
+            prompt_ids = engine.encode(r.prompt, chat=isinstance(r.prompt, list))
+        except Exception as e:  # e.g. a chat template that refuses the roles given
+            raise InvalidRequest(f"cannot tokenize the prompt: {e}", r.prompt_param) from None
+        try:
+            kwargs = {} if r.max_tokens is None else {"max_tokens": r.max_tokens}
+            params = self._sampling_mod.SamplingParams(
+                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed, stop=r.stop,
+                ignore_eos=r.ignore_eos, **kwargs,
+            )
+        except ValueError as e:  # the ingress checks the same ranges; its message starts with the field
+            raise InvalidRequest(str(e), str(e).split(" ", 1)[0]) from None
+        try:
+            engine.check_request(prompt_ids, params, r.drafter)
+        except self._engine_mod.RequestError as e:
+            param = {"prompt": r.prompt_param, "drafter": "speculation.drafter"}.get(e.param, e.param)
+            raise InvalidRequest(str(e), param, e.code) from None
+        slot.drafter = r.drafter
+        slot.draft_len = engine.default_draft_len(r.drafter) if r.draft_len is None else r.draft_len
+        slot.gen = engine.start(prompt_ids, params)
+
+    def _step(self, slot: _Slot) -> Chunk:
+        gen = slot.gen
+        assert gen is not None
+        gen.step(slot.drafter, slot.draft_len)
+        output_ids = gen.output_ids
+        new_ids = output_ids[slot.num_sent_ids :]
+        slot.num_sent_ids = len(output_ids)
+        if not gen.finished:
+            text = self.engine.tokenizer.decode(output_ids, skip_special_tokens=True)
+            delta = _safe_delta(text, slot.sent_text, gen.params.stop)
+            slot.sent_text += delta
+            return Chunk(new_ids, delta)
+        result = gen.result()
+        gen.close()
+        if not result.text.startswith(slot.sent_text):  # cannot happen with prefix-stable decoding
+            log.warning("streamed text is not a prefix of the final text")
+        delta = result.text[len(slot.sent_text) :]
+        stats = FinalStats(
+            num_prompt_tokens=len(result.prompt_token_ids),
+            num_completion_tokens=len(result.token_ids),
+            num_steps=result.num_steps,
+            num_draft_tokens=result.num_draft_tokens,
+            num_accepted_tokens=result.num_accepted_tokens,
+            accepted_per_position=list(result.accepted_per_position),
+            drafter=slot.drafter,
+            draft_len=slot.draft_len if slot.drafter != PLAIN else 0,
+            drafters_used=list(result.drafters),
+            fallback_reason=next((s.fallback_reason for s in result.steps if s.fallback_reason), None),
+            prefill_s=result.prefill_s,
+            wall_s=result.wall_s,
+        )
+        return Chunk(new_ids, delta, result.finish_reason, stats)
+
+    @staticmethod
+    def _close(slot: _Slot) -> None:
+        try:
+            if slot.gen is not None and slot.gen.cache is not None:
+                slot.gen.close()
+        except Exception:
+            log.exception("closing a generation failed")
+
+
+def _safe_delta(text: str, sent: str, stop: tuple[str, ...]) -> str:
+    """The part of `text` after `sent` that can be streamed now: hold back a trailing incomplete
+    character (U+FFFD) and the longest suffix that may still grow into a stop string."""
+    end = len(text.rstrip("\ufffd"))
+    end -= max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n], 0, end)), default=0)
+    if end <= len(sent) or not text.startswith(sent):
+        return ""
+    return text[len(sent) : end]
