@@ -69,17 +69,12 @@ class EngineMethod:
         t0 = time.perf_counter()
         result = self.engine.generate(prompt_ids, params, self.drafter)
         wall_s = time.perf_counter() - t0
-        drafted = [s for s in result.steps if s.drafter != PLAIN]
-        drafted_per_position = [0] * len(result.accepted_per_position)
-        for step in drafted:
-            for i in range(step.num_draft_tokens):
-                drafted_per_position[i] += 1
         return RunRecord(
             question_id=prompt.question_id, category=prompt.category, method=self.name,
             token_ids=result.token_ids, num_new_tokens=len(result.token_ids), wall_s=wall_s,
             num_steps=result.num_steps, num_draft_tokens=result.num_draft_tokens,
             num_accepted_tokens=result.num_accepted_tokens,
-            accepted_per_position=result.accepted_per_position, drafted_per_position=drafted_per_position,
+            accepted_per_position=result.accepted_per_position, drafted_per_position=result.drafted_per_position,
         )
 
 

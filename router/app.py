@@ -26,10 +26,25 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.schemas import (
-    AUTO, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionChunk, CompletionRequest,
-    CompletionResponse, ErrorBody, ErrorResponse, ModelCard, ModelList, SpeculationInfo, Usage,
+    AUTO,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorBody,
+    ErrorResponse,
     GenerationRequestBase,
+    ModelCard,
+    ModelList,
+    SpeculationInfo,
+    Usage,
 )
 from workers.config import EngineConfig
 from workers.deployment import PLAIN, Chunk, FinalStats, GenerateRequest, InvalidRequest, TargetWorker

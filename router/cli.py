@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
 import yaml
 from pydantic import ValidationError
 
@@ -28,21 +29,29 @@ def load_engine_config(path: Path | None) -> EngineConfig:
     application carries it under args.engine. No path: every default."""
     if path is None:
         return EngineConfig()
+    data = read_yaml(path)
+    if "applications" in data:
+        data = (data["applications"][0].get("args") or {}).get("engine") or {}
+    try:
+        return EngineConfig.model_validate(data)
+    except ValidationError as e:
+        raise CLIError(f"config {path}: {describe_validation_error(e)}") from None
+
+
+def read_yaml(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except OSError as e:
         raise CLIError(f"cannot read config {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise CLIError(f"config {path} is not valid YAML: {e}") from None
-    if "applications" in data:
-        data = (data["applications"][0].get("args") or {}).get("engine") or {}
-    try:
-        return EngineConfig.model_validate(data)
-    except ValidationError as e:
-        raise CLIError(f"config {path}: {_describe(e)}") from None
+    if not isinstance(data, dict):
+        raise CLIError(f"config {path}: expected a mapping at the top level")
+    return data
 
 
-def _describe(e: ValidationError) -> str:
+def describe_validation_error(e: ValidationError) -> str:
+    """One line naming every bad field and the value it got."""
     return "; ".join(
         f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']} (got {err.get('input')!r})"
         for err in e.errors()

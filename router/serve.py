@@ -17,10 +17,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
-from router.cli import CLIError
+from router.cli import CLIError, describe_validation_error, read_yaml
 
 QUIET_LOGGING = {"log_level": "WARNING"}  # Serve's per-request access logs are INFO
 SERVE_SHUTDOWN_TIMEOUT_S = 10.0
@@ -30,12 +29,7 @@ def load_serve_config(path: Path) -> dict[str, Any]:
     """A Serve config file, checked against Ray's schema; returns the parsed YAML."""
     from ray.serve.schema import ServeDeploySchema
 
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except OSError as e:
-        raise CLIError(f"cannot read config {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise CLIError(f"config {path} is not valid YAML: {e}") from None
+    data = read_yaml(path)
     try:
         ServeDeploySchema.model_validate(data)
     except ValidationError as e:
@@ -56,9 +50,7 @@ def _build(app_config: dict[str, Any]) -> Any:
     try:
         return target(app_config.get("args") or {})
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'args'}: {err['msg']}"
-                             for err in e.errors())
-        raise CLIError(f"application args: {problems}") from None
+        raise CLIError(f"application args: {describe_validation_error(e)}") from None
 
 
 def start_ray() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -76,7 +76,7 @@ class ModelDrafterConfig(_Strict):
     draft_len: int = Field(4, ge=1, description="static k when the policy does not choose one")
 
 
-DrafterConfig = Annotated[Union[NgramDrafterConfig, ModelDrafterConfig], Field(discriminator="kind")]
+DrafterConfig = Annotated[NgramDrafterConfig | ModelDrafterConfig, Field(discriminator="kind")]
 
 
 class EngineConfig(_Strict):

@@ -17,10 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ray import serve
 
@@ -277,7 +277,7 @@ class TargetWorker:
     @staticmethod
     def _close(slot: _Slot) -> None:
         try:
-            if slot.gen is not None and slot.gen.cache is not None:
+            if slot.gen is not None and not slot.gen.closed:
                 slot.gen.close()
         except Exception:
             log.exception("closing a generation failed")

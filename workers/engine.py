@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 
 from workers.config import PLAIN, EngineConfig
-from workers.drafters.base import Draft, DraftContext, Drafter
+from workers.drafters.base import DraftContext, Drafter
 from workers.drafters.registry import build_drafters
 from workers.sampling import SamplingParams, make_generator, probs_from_logits
 from workers.target import LoadedModel, load_model
@@ -59,7 +60,8 @@ class GenerationResult:
     num_steps: int  # target forwards that emitted tokens (the prompt's prefill is not one)
     num_draft_tokens: int
     num_accepted_tokens: int
-    accepted_per_position: list[int]  # drafts accepted at position i, summed over steps
+    accepted_per_position: list[int]  # steps whose draft token at position i was accepted
+    drafted_per_position: list[int]  # steps that proposed a token at position i
     drafters: list[str]  # every drafter that proposed, in order of first use
     prefill_s: float  # the prompt's forward, except its last token (that is in step one)
     wall_s: float
@@ -167,10 +169,12 @@ class Generation:
 
     def result(self) -> GenerationResult:
         drafted = [s for s in self.steps if s.num_draft_tokens]
-        per_pos = [0] * max((s.num_draft_tokens for s in drafted), default=0)
+        accepted = [0] * max((s.num_draft_tokens for s in drafted), default=0)
+        proposed = accepted.copy()
         for s in drafted:
-            for i in range(s.num_accepted):
-                per_pos[i] += 1
+            for i in range(s.num_draft_tokens):
+                proposed[i] += 1
+                accepted[i] += i < s.num_accepted
         return GenerationResult(
             prompt_token_ids=self.ctx.token_ids[: self.num_prompt],
             token_ids=self.output_ids,
@@ -179,7 +183,8 @@ class Generation:
             num_steps=len(self.steps),
             num_draft_tokens=sum(s.num_draft_tokens for s in self.steps),
             num_accepted_tokens=sum(s.num_accepted for s in self.steps),
-            accepted_per_position=per_pos,
+            accepted_per_position=accepted,
+            drafted_per_position=proposed,
             drafters=list(dict.fromkeys(s.drafter for s in drafted)),
             prefill_s=self.prefill_s,
             wall_s=time.perf_counter() - self._t0,
@@ -319,8 +324,6 @@ class SpecEngine:
         self, prompt_ids: list[int], params: SamplingParams, drafter: str = PLAIN,
         draft_len: int | None = None, on_step: Callable[[StepStats], None] | None = None,
     ) -> GenerationResult:
-        gen: Generation | None = None
-        for gen, _ in self.stream(prompt_ids, params, drafter, draft_len, on_step):
-            pass
-        assert gen is not None
+        # run to the end, keeping only the last (generation, step): max_tokens >= 1, so one exists
+        (gen, _), = deque(self.stream(prompt_ids, params, drafter, draft_len, on_step), maxlen=1)
         return gen.result()

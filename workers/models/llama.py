@@ -71,7 +71,7 @@ class _Layer:
 # Below this many rows a product streams the weight once (x @ W_t); from it on, MKL's packed
 # GEMM keeps the arithmetic units busy (measured: docs/benchmarks.md, verification cost).
 _PACKED_MIN_ROWS = 3
-_PACK_ROWS_HINT = 8
+_PACK_ROWS_HINT = 16
 
 
 class Linear:
