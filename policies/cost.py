@@ -1,0 +1,67 @@
+"""Cost model: the predicted speedup of drafting k tokens with a drafter, against plain decoding.
+
+A step that drafts k tokens emits, in expectation,
+    E(k) = 1 + sum_{i < k} P(the first i + 1 draft tokens are all accepted)
+tokens (the bonus or recovered token is the 1). With a_j the acceptance rate at position j given
+every earlier token was accepted, P(first i + 1 accepted) = prod_{j <= i} a_j. The step costs
+t_draft(k) + t_verify(k); plain decoding emits one token per t_plain. So
+    speedup(k) = E(k) * t_plain / (t_draft(k) + t_verify(k)),    plain = 1.
+Pure functions: no I/O, no clock, no randomness.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def prefix_acceptance(conditional: Sequence[float]) -> list[float]:
+    """P(the first i + 1 tokens are accepted), from acceptance rates at position i given the
+    earlier ones were accepted."""
+    return list(itertools.accumulate(conditional, lambda p, a: p * a))
+
+
+def expected_tokens(prefix: Sequence[float], k: int) -> float:
+    """E(k) = 1 + the first k prefix-acceptance probabilities. Positions never observed are
+    taken as never accepted (the conservative choice: no data, no credit)."""
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    return 1.0 + sum(prefix[:k])
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    plain_s: float  # one plain decoding step (k = 0)
+    draft_s_per_token: float  # the drafter's cost per proposed token
+    verify_s: Sequence[float]  # verify_s[k]: one target forward over 1 + k tokens; [0] == plain_s
+
+    def step_s(self, k: int) -> float:
+        if k >= len(self.verify_s):
+            raise ValueError(f"no verify cost for k = {k} (known up to {len(self.verify_s) - 1})")
+        return k * self.draft_s_per_token + self.verify_s[k]
+
+
+def predicted_speedup(prefix: Sequence[float], k: int, costs: StepCosts) -> float:
+    """Speedup of drafting k tokens per step over plain decoding (1.0 at k = 0)."""
+    if k == 0:
+        return 1.0
+    step_s = costs.step_s(k)
+    return expected_tokens(prefix, k) * costs.plain_s / step_s if step_s > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class BestDraftLen:
+    draft_len: int  # 0 means plain decoding wins
+    speedup: float
+
+
+def best_draft_len(prefix: Sequence[float], costs: StepCosts, k_min: int, k_max: int) -> BestDraftLen:
+    """The k in [k_min, k_max] with the highest predicted speedup; k = 0 (plain) when none beats 1."""
+    best = BestDraftLen(0, 1.0)
+    for k in range(max(k_min, 1), min(k_max, len(costs.verify_s) - 1) + 1):
+        speedup = predicted_speedup(prefix, k, costs)
+        if speedup > best.speedup:
+            best = BestDraftLen(k, speedup)
+    return best

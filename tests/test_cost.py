@@ -1,0 +1,57 @@
+"""The cost model on hand-computed cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.cost import (
+    StepCosts,
+    best_draft_len,
+    expected_tokens,
+    predicted_speedup,
+    prefix_acceptance,
+)
+
+# a verify curve shaped like the measured one (docs/benchmarks.md): 1.0, 1.1, 1.2, ... x plain
+COSTS = StepCosts(plain_s=0.04, draft_s_per_token=0.0, verify_s=[0.04 * (1 + 0.1 * k) for k in range(17)])
+
+
+def test_prefix_acceptance_is_the_running_product() -> None:
+    assert prefix_acceptance([0.5, 0.5, 1.0, 0.0]) == pytest.approx([0.5, 0.25, 0.25, 0.0])
+    assert prefix_acceptance([]) == []
+
+
+def test_expected_tokens() -> None:
+    prefix = [0.8, 0.6, 0.3]
+    assert expected_tokens(prefix, 0) == 1.0
+    assert expected_tokens(prefix, 2) == pytest.approx(2.4)
+    assert expected_tokens(prefix, 5) == pytest.approx(2.7)  # unseen positions earn nothing
+    with pytest.raises(ValueError, match="k must be >= 0"):
+        expected_tokens(prefix, -1)
+
+
+def test_predicted_speedup_matches_the_formula() -> None:
+    prefix = [0.9, 0.8]
+    # E(2) = 2.7 tokens for 1.2 plain steps of cost
+    assert predicted_speedup(prefix, 2, COSTS) == pytest.approx(2.7 / 1.2)
+    assert predicted_speedup(prefix, 0, COSTS) == 1.0
+    costly = StepCosts(plain_s=0.04, draft_s_per_token=0.02, verify_s=COSTS.verify_s)
+    assert predicted_speedup(prefix, 2, costly) == pytest.approx(2.7 * 0.04 / (0.04 + 0.048))
+
+
+def test_best_draft_len_picks_the_peak_and_falls_back_to_plain() -> None:
+    high = [0.9] * 16
+    best = best_draft_len(prefix_acceptance(high), COSTS, 1, 16)
+    speedups = [predicted_speedup(prefix_acceptance(high), k, COSTS) for k in range(1, 17)]
+    assert best.draft_len == 1 + speedups.index(max(speedups))
+    assert best.speedup == pytest.approx(max(speedups)) and best.speedup > 1
+
+    # acceptance too low for any k to pay for its verification: plain
+    assert best_draft_len(prefix_acceptance([0.05] * 16), COSTS, 1, 16).draft_len == 0
+    # the bounds are respected
+    assert best_draft_len(prefix_acceptance(high), COSTS, 2, 3).draft_len in (2, 3)
+
+
+def test_unknown_verify_cost_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no verify cost for k = 20"):
+        COSTS.step_s(20)
