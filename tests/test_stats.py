@@ -1,0 +1,449 @@
+"""The StatsStore contract, run against MemoryStats and against RedisStats on the real Redis at
+127.0.0.1:6379 (each test under its own key prefix), plus Redis-down and Redis-returns tests on a
+throwaway redis-server. Time moves through an injected clock; timings are dyadic fractions so
+sums are exact in every backend and snapshots compare with ==."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import redis
+
+from policies.records import (
+    CONTEXT_BUCKETS,
+    PLAIN,
+    AcceptanceCounts,
+    StatsSnapshot,
+    StepRecord,
+    context_bucket,
+)
+from policies.stats import MemoryStats, RedisStats, StatsStore, make_stats_store
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+T0 = 1_000_000.0  # a multiple of every bucket size used here
+
+
+class FakeClock:
+    def __init__(self, now: float = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def step(domain: str = "code", drafter: str = "ngram", k: int = 4, accepted: int = 2, *, draft_s: float = 0.25,
+         verify_s: float = 0.5, context_len: int = 100) -> StepRecord:
+    return StepRecord(domain=domain, drafter=drafter, draft_len=k, num_draft_tokens=k, num_accepted=accepted,
+                      draft_s=draft_s if drafter != PLAIN else 0.0, verify_s=verify_s, context_len=context_len)
+
+
+def delete_prefix(client: redis.Redis, prefix: str) -> None:
+    keys = list(client.scan_iter(match=f"{{{prefix}}}:*"))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture(scope="module")
+def redis_client() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        pytest.skip(f"no Redis at {REDIS_URL} (start: redis-server --daemonize yes --save ''): {e}")
+    yield client
+    client.close()
+
+
+@dataclass
+class Backend:
+    """Makes stores of one backend; shared=True stores see each other (same Redis prefix)."""
+
+    name: str
+    clock: FakeClock
+    client: redis.Redis | None
+    prefix: str = field(default_factory=lambda: f"test-{uuid.uuid4().hex[:12]}")
+    prefixes: list[str] = field(default_factory=list)
+    stores: list[StatsStore] = field(default_factory=list)
+
+    def new(self, *, shared: bool = True, **kwargs) -> StatsStore:
+        kwargs.setdefault("clock", self.clock)
+        if self.name == "memory":
+            store: StatsStore = MemoryStats(**kwargs)
+        else:
+            prefix = self.prefix if shared else f"test-{uuid.uuid4().hex[:12]}"
+            self.prefixes.append(prefix)
+            store = RedisStats(REDIS_URL, prefix=prefix, **kwargs)
+        self.stores.append(store)
+        return store
+
+
+@pytest.fixture(params=["memory", "redis"])
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    client = request.getfixturevalue("redis_client") if request.param == "redis" else None
+    b = Backend(request.param, FakeClock(), client)
+    yield b
+    for store in b.stores:
+        if isinstance(store, RedisStats):
+            store.close()
+    if client is not None:
+        for prefix in set(b.prefixes):
+            delete_prefix(client, prefix)
+
+
+def test_counts_and_acceptance_by_position(backend: Backend) -> None:
+    store = backend.new()
+    store.record(step(k=4, accepted=2))
+    store.record_many([step(k=3, accepted=3), step(k=0, accepted=0), step(drafter=PLAIN, k=0, accepted=0)])
+    store.record(step(domain="math", k=2, accepted=0))
+    snap = store.snapshot()
+    assert snap.counts("code", "ngram") == AcceptanceCounts(
+        num_steps=3, num_drafts=2, num_draft_tokens=7, num_accepted_tokens=5,
+        drafted_per_position=(2, 2, 2, 1), accepted_per_position=(2, 2, 1),
+    )
+    assert snap.acceptance_by_position("code", "ngram") == [1.0, 1.0, 0.5, 0.0]
+    assert snap.acceptance_by_position("math", "ngram") == [0.0, 0.0]
+    assert snap.counts("code", PLAIN) == AcceptanceCounts(num_steps=1)
+    assert snap.counts("chat", "ngram") == AcceptanceCounts()
+    assert snap.domains() == ["code", "math"] and snap.drafters("code") == ["ngram", PLAIN]
+    assert not snap.degraded and snap.window_s is None
+
+
+def test_cost_means(backend: Backend) -> None:
+    store = backend.new()
+    store.record_many([
+        step(k=4, draft_s=0.5, verify_s=0.75), step(k=4, draft_s=0.25, verify_s=0.25),
+        step(k=2, draft_s=0.125, verify_s=0.5),
+        step(k=0, accepted=0, draft_s=0.125, verify_s=0.25),  # asked, proposed nothing: plain step
+        step(drafter=PLAIN, k=0, accepted=0, verify_s=0.125),
+        step(drafter="eagle", k=1, accepted=1, draft_s=0.0625, verify_s=0.5),
+    ])
+    snap = store.snapshot()
+    assert snap.mean_verify_s(4) == 0.5
+    assert snap.mean_verify_s(1) == 0.5
+    assert snap.mean_verify_s(3) is None
+    assert snap.mean_plain_step_s() == 0.1875 == snap.mean_verify_s(0)
+    assert snap.mean_draft_s_per_token("ngram") == (0.5 + 0.25 + 0.125 + 0.125) / 10
+    assert snap.mean_draft_s_per_token("eagle") == 0.0625
+    assert snap.mean_draft_s_per_token(PLAIN) is None
+    assert snap.verify_s(4).count == 2 and snap.plain_step_s().count == 2
+
+
+def test_context_buckets(backend: Backend) -> None:
+    assert [context_bucket(n) for n in (0, 511, 512, 1023, 1024, 2047, 2048, 10**6)] == [
+        "0-512", "0-512", "512-1k", "512-1k", "1k-2k", "1k-2k", "2k+", "2k+"]
+    store = backend.new()
+    store.record_many([
+        step(k=2, accepted=2, verify_s=0.25, context_len=10),
+        step(k=2, accepted=0, verify_s=0.75, context_len=3000),
+        step(k=2, accepted=1, verify_s=0.5, context_len=3500),
+    ])
+    snap = store.snapshot(window_s=60)
+    assert snap.acceptance_by_position("code", "ngram", "0-512") == [1.0, 1.0]
+    assert snap.acceptance_by_position("code", "ngram", "2k+") == [0.5, 0.0]
+    assert snap.acceptance_by_position("code", "ngram", "1k-2k") == []
+    assert snap.acceptance_by_position("code", "ngram") == [2 / 3, 1 / 3]
+    assert snap.mean_verify_s(2, "0-512") == 0.25 and snap.mean_verify_s(2, "2k+") == 0.625
+    assert {b for _, _, b in snap.acceptance} == {"0-512", "2k+"} <= set(CONTEXT_BUCKETS)
+
+
+def test_window_and_all_time(backend: Backend) -> None:
+    store = backend.new(bucket_s=10)
+    store.record(step(k=4, accepted=4))
+    backend.clock.advance(100)
+    store.record(step(k=2, accepted=1))
+    recent, wide, total = store.snapshot(window_s=30), store.snapshot(window_s=150), store.snapshot()
+    assert recent.counts("code", "ngram").num_draft_tokens == 2 and recent.window_s == 30
+    assert wide.counts("code", "ngram").num_draft_tokens == 6
+    assert total == wide.merge(StatsSnapshot()) and total.window_s is None
+    assert store.snapshot(window_s=0).counts("code", "ngram").num_drafts == 1  # the current bucket
+    backend.clock.advance(10)
+    assert store.snapshot(window_s=0) == StatsSnapshot(window_s=0)
+    with pytest.raises(ValueError):
+        store.snapshot(window_s=-1)
+
+
+def test_retention_drops_old_buckets_but_not_totals(backend: Backend) -> None:
+    store = backend.new(bucket_s=10, retention_s=60)
+    store.record(step(k=3, accepted=1))
+    backend.clock.advance(50)  # 6 buckets back including the current one: still kept
+    assert store.snapshot(window_s=10_000).counts("code", "ngram").num_drafts == 1
+    backend.clock.advance(10)
+    store.record(step(k=1, accepted=1))
+    assert store.snapshot(window_s=10_000).counts("code", "ngram").num_draft_tokens == 1  # clamped to retention
+    assert store.snapshot().counts("code", "ngram").num_draft_tokens == 4
+    if isinstance(store, MemoryStats):
+        assert len(store._buckets) == 1  # the old bucket's memory is freed
+    else:
+        keys = {k.decode() for k in backend.client.scan_iter(match=f"{{{backend.prefix}}}:*")}
+        ttls = {k: backend.client.ttl(k) for k in keys}
+        assert ttls.pop(f"{{{backend.prefix}}}:v1:total") == -1
+        assert len(ttls) == 2 and all(0 < t <= 70 for t in ttls.values())
+
+
+def test_reset(backend: Backend) -> None:
+    store = backend.new()
+    store.record_many([step(), step(drafter=PLAIN, k=0, accepted=0)])
+    assert store.snapshot().domains() == ["code"]
+    store.reset()
+    assert store.snapshot() == StatsSnapshot() and store.snapshot(60) == StatsSnapshot(window_s=60)
+    store.record(step(domain="math"))
+    assert store.snapshot().domains() == ["math"]
+
+
+def test_merge_is_the_sum(backend: Backend) -> None:
+    steps_a = [step(k=4, accepted=3), step(drafter=PLAIN, k=0, accepted=0, verify_s=0.125)]
+    steps_b = [step(k=5, accepted=5, context_len=4000), step(domain="math", drafter="eagle", k=2, accepted=1)]
+    a, b, both = backend.new(shared=False), backend.new(shared=False), backend.new(shared=False)
+    a.record_many(steps_a)
+    b.record_many(steps_b)
+    both.record_many(steps_a + steps_b)
+    merged = a.snapshot().merge(b.snapshot())
+    assert merged == both.snapshot()
+    assert merged.counts("code", "ngram").drafted_per_position == (2, 2, 2, 2, 1)
+    assert a.snapshot(30).merge(b.snapshot(60)).window_s == 60
+    assert a.snapshot(30).merge(b.snapshot()).window_s is None
+
+
+def test_replicas_on_one_prefix_share_totals(redis_client: redis.Redis) -> None:
+    clock, prefix = FakeClock(), f"test-{uuid.uuid4().hex[:12]}"
+    first, second = (RedisStats(REDIS_URL, prefix=prefix, clock=clock) for _ in range(2))
+    other = RedisStats(REDIS_URL, prefix=prefix + "-other", clock=clock)
+    try:
+        first.record(step(k=3, accepted=2))
+        second.record(step(k=2, accepted=2))
+        other.record(step(k=7, accepted=7))
+        for store in (first, second):
+            assert store.snapshot().counts("code", "ngram").num_accepted_tokens == 4
+            assert store.snapshot(60).counts("code", "ngram").num_draft_tokens == 5
+        second.reset()
+        assert first.snapshot() == StatsSnapshot()
+        assert other.snapshot().counts("code", "ngram").num_draft_tokens == 7
+    finally:
+        for store in (first, second, other):
+            store.close()
+        delete_prefix(redis_client, prefix)
+        delete_prefix(redis_client, prefix + "-other")
+
+
+def test_concurrent_writers_exact_totals(backend: Backend) -> None:
+    store = backend.new()
+    num_threads, num_rounds = 8, 50
+
+    def write(i: int) -> None:
+        for _ in range(num_rounds):
+            store.record(step(domain=f"d{i % 2}", k=3, accepted=2))
+            store.record_many([step(domain=f"d{i % 2}", k=1, accepted=1), step(drafter=PLAIN, k=0, accepted=0)])
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(num_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    snap = store.snapshot()
+    per_domain = num_threads // 2 * num_rounds
+    for domain in ("d0", "d1"):
+        assert snap.counts(domain, "ngram") == AcceptanceCounts(
+            num_steps=2 * per_domain, num_drafts=2 * per_domain, num_draft_tokens=4 * per_domain,
+            num_accepted_tokens=3 * per_domain, drafted_per_position=(2 * per_domain, per_domain, per_domain),
+            accepted_per_position=(2 * per_domain, per_domain))
+    assert snap.counts("code", PLAIN).num_steps == num_threads * num_rounds
+    assert snap.plain_step_s().count == num_threads * num_rounds
+    assert snap.verify_s(3).total_s == per_domain * 2 * 0.5
+
+
+WEIRD_NAMES = ["a|b", "%7C", "", "数学", "x y/z", "{specroute}:v1", "drafted.0", "a|b|c|d|e|f"]
+
+
+def test_weird_names_round_trip(backend: Backend) -> None:
+    store = backend.new()
+    for i, name in enumerate(WEIRD_NAMES):
+        store.record(step(domain=name, drafter=name or "x", k=i + 1, accepted=i))
+    snap = store.snapshot()
+    assert snap.domains() == sorted(WEIRD_NAMES)
+    for i, name in enumerate(WEIRD_NAMES):
+        assert snap.counts(name, name or "x").num_draft_tokens == i + 1
+        assert snap.mean_draft_s_per_token(name or "x") == 0.25 / (i + 1)
+
+
+def test_snapshot_is_immutable(backend: Backend) -> None:
+    store = backend.new()
+    store.record(step())
+    snap = store.snapshot()
+    with pytest.raises(TypeError):
+        snap.acceptance["x", "y", "z"] = AcceptanceCounts()  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        snap.degraded = True  # type: ignore[misc]
+    store.record(step())
+    assert snap.counts("code", "ngram").num_steps == 1
+
+
+def test_health_and_factory(backend: Backend) -> None:
+    store = backend.new()
+    assert isinstance(store, StatsStore)
+    store.record(step())
+    health = store.health()
+    assert health.backend == backend.name and health.connected
+    assert (health.num_errors, health.num_pending_local, health.num_dropped) == (0, 0, 0)
+
+
+def test_make_stats_store() -> None:
+    assert isinstance(make_stats_store(None), MemoryStats)
+    store = make_stats_store(REDIS_URL, prefix="test-factory")
+    assert isinstance(store, RedisStats)
+    store.close()
+    with pytest.raises(ValueError, match="http://x"):
+        make_stats_store("http://x")
+    with pytest.raises(ValueError, match="braces"):
+        RedisStats(REDIS_URL, prefix="a{b}")
+
+
+def test_step_record_validation_and_from_engine_stats() -> None:
+    from workers.engine import StepStats
+
+    stats = StepStats(drafter="ngram", draft_len=4, num_draft_tokens=3, num_accepted=2, num_emitted=3,
+                      draft_s=0.01, verify_s=0.02, context_len=700)
+    record = StepRecord.from_step("code", stats)
+    assert (record.domain, record.num_draft_tokens, record.num_accepted, record.context_len) == ("code", 3, 2, 700)
+    assert not record.plain and step(k=0, accepted=0).plain
+    for bad in [dict(k=2, accepted=3), dict(drafter=PLAIN, k=1, accepted=0), dict(verify_s=-1.0),
+                dict(verify_s=float("nan")), dict(context_len=-1)]:
+        with pytest.raises(ValueError):
+            step(**bad)
+
+
+# -- Redis down ----------------------------------------------------------------------------------
+
+def test_unreachable_redis_never_raises_and_buffers() -> None:
+    clock = FakeClock()
+    store = RedisStats("redis://127.0.0.1:1/0", clock=clock, retry_s=1.0, max_pending=6)
+    store.record(step(k=3, accepted=1))
+    store.record_many([step(k=2, accepted=2), step(drafter=PLAIN, k=0, accepted=0)])
+    health = store.health()
+    assert not health.connected and "ConnectionError" in health.last_error
+    assert (health.num_errors, health.num_pending_local) == (1, 3)  # later calls skip Redis until retry_s
+    snap = store.snapshot()
+    assert snap.degraded and snap.counts("code", "ngram").num_accepted_tokens == 3
+    assert store.snapshot(window_s=60).counts("code", PLAIN).num_steps == 1
+    clock.advance(1.0)
+    store.record_many([step(), step()])  # tries again: fails, buffers
+    store.record_many([step(), step()])  # past max_pending: dropped and counted
+    health = store.health()
+    assert (health.num_errors, health.num_pending_local, health.num_dropped) == (2, 5, 2)
+    assert store.snapshot().counts("code", "ngram").num_steps == 4
+    store.close()
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def _wait(predicate: Callable[[], bool], what: str) -> None:
+    for _ in range(200):
+        if predicate():
+            return
+        time.sleep(0.025)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class ThrowawayRedis:
+    """A redis-server of this test's own on a free port, that the test stops and restarts."""
+
+    def __init__(self, directory: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.pidfile = directory / "redis.pid"
+        self.argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(directory),
+                     "--pidfile", str(self.pidfile), "--save", "", "--appendonly", "no", "--daemonize", "yes"]
+        self.probe = redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+
+    def start(self) -> None:
+        subprocess.run(self.argv, check=True, capture_output=True)
+        _wait(lambda: _answers(self.probe), "redis-server to start")
+
+    def stop(self, how: str = "nosave") -> None:
+        subprocess.run(["redis-cli", "-p", str(self.port), "shutdown", how], capture_output=True)
+        _wait(lambda: not _answers(self.probe), "redis-server to stop")
+
+    def signal(self, sig: signal.Signals) -> None:
+        os.kill(int(self.pidfile.read_text()), sig)
+
+
+@pytest.fixture
+def throwaway_redis(tmp_path: Path) -> Iterator[ThrowawayRedis]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("needs redis-server")
+    server = ThrowawayRedis(tmp_path)
+    server.start()
+    yield server
+    if server.pidfile.exists():
+        server.signal(signal.SIGCONT)
+        subprocess.run(["redis-cli", "-p", str(server.port), "shutdown", "nosave"], capture_output=True)
+    server.probe.close()
+
+
+def test_hung_redis_times_out_and_buffers(throwaway_redis: ThrowawayRedis) -> None:
+    store = RedisStats(throwaway_redis.url, clock=FakeClock(), timeout_s=0.2)
+    store.record(step())
+    throwaway_redis.signal(signal.SIGSTOP)  # accepts connections, answers nothing
+    try:
+        store.record(step())
+        assert store.snapshot().degraded
+        health = store.health()
+        assert "Timeout" in health.last_error and (health.num_errors, health.num_pending_local) == (1, 1)
+    finally:
+        throwaway_redis.signal(signal.SIGCONT)
+        store.close()
+
+
+def test_redis_returns_and_buffered_steps_reconcile(throwaway_redis: ThrowawayRedis) -> None:
+    clock = FakeClock()
+    store = RedisStats(throwaway_redis.url, prefix="returns", clock=clock, retry_s=5.0)
+    reader = RedisStats(throwaway_redis.url, prefix="returns", clock=clock)
+    try:
+        store.record_many([step(k=3, accepted=3), step(k=3, accepted=1)])
+        assert not store.snapshot().degraded
+
+        throwaway_redis.stop("save")  # the restarted server holds what was written before
+        store.record_many([step(k=2, accepted=1), step(drafter=PLAIN, k=0, accepted=0)])
+        store.record(step(domain="math", k=1, accepted=1))
+        health = store.health()
+        assert not health.connected and health.num_errors >= 1 and health.num_pending_local == 3
+        down = store.snapshot()  # last good Redis snapshot + the local buffer
+        assert down.degraded and down.counts("code", "ngram").num_draft_tokens == 8
+        assert down.counts("math", "ngram").num_steps == 1
+
+        throwaway_redis.start()
+        store.record(step(k=4, accepted=0))  # within retry_s: buffered, Redis not tried
+        assert reader.snapshot().counts("code", "ngram").num_draft_tokens == 6
+        clock.advance(5.0)
+        store.record(step(k=1, accepted=1))  # flushes everything buffered in the same round trip
+        health = store.health()
+        assert health.connected and health.num_pending_local == 0
+        for snap in (reader.snapshot(), reader.snapshot(window_s=60), store.snapshot()):
+            assert not snap.degraded
+            assert snap.counts("code", "ngram") == AcceptanceCounts(
+                num_steps=5, num_drafts=5, num_draft_tokens=13, num_accepted_tokens=6,
+                drafted_per_position=(5, 4, 3, 1), accepted_per_position=(4, 1, 1))
+            assert snap.counts("code", PLAIN).num_steps == 1 and snap.counts("math", "ngram").num_steps == 1
+    finally:
+        store.close()
+        reader.close()
