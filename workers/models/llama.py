@@ -3,8 +3,8 @@
 Why not transformers' own forward: a verify step must cost little more than a plain step, so
   * the KV cache is preallocated once per request and rollback is moving an integer;
   * q/k/v and gate/up are fused into one product each;
-  * every weight is stored transposed and contiguous ([in, out]) so that `x @ W_t` streams it
-    row-major: on MKL this beats `F.linear` for the 1..17-row products a verify step makes.
+  * the kernel is chosen by row count (`Linear`): a 1-2 row step streams a transposed,
+    contiguous weight (`x @ W_t`), a verify step of 3+ rows uses MKL's packed GEMM.
 Weights come from a loaded transformers model, so every checkpoint format it reads works here.
 """
 
