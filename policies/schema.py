@@ -165,8 +165,8 @@ class Policy(_Strict):
         return self
 
 
-def describe_errors(e: ValidationError) -> str:
-    """One line naming every bad field path and the value it got."""
+def describe_errors(e: ValidationError, root: str = "policy") -> str:
+    """One line naming every bad field path and the value it got (`root` names a top-level error)."""
     parts = []
     for err in e.errors():
         path = ".".join(str(p) for p in err["loc"])
@@ -178,7 +178,7 @@ def describe_errors(e: ValidationError) -> str:
         else:
             got = repr(err.get("input"))
             got = got if len(got) <= 80 else got[:77] + "..."
-            parts.append(f"{path or 'policy'}: {err['msg']} (got {got})")
+            parts.append(f"{path or root}: {err['msg']} (got {got})")
     return "; ".join(parts)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from policies.schema import describe_errors
 from workers.config import PLAIN, EngineConfig
 
 DEFAULT_SERVE_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve.cpu.yaml"
@@ -51,11 +52,7 @@ def read_yaml(path: Path) -> dict:
 
 
 def describe_validation_error(e: ValidationError) -> str:
-    """One line naming every bad field and the value it got."""
-    return "; ".join(
-        f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']} (got {err.get('input')!r})"
-        for err in e.errors()
-    )
+    return describe_errors(e, root="config")
 
 
 def _positive_int(text: str) -> int:
