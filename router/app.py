@@ -282,9 +282,12 @@ class OpenAIIngress:
     async def _generate(self, body: GenerationRequestBase, prompt: str | list[dict[str, str]]) -> Chunk:
         request = self._request(body, prompt)
         try:
-            return await self.worker.generate.remote(request)
+            chunk: Chunk = await self.worker.generate.remote(request)
         except Exception as e:
             raise _as_api_error(e) from None
+        if chunk.error is not None:
+            raise _as_api_error(chunk.error)
+        return chunk
 
     async def _stream(
         self, body: GenerationRequestBase, prompt: str | list[dict[str, str]],
@@ -297,6 +300,8 @@ class OpenAIIngress:
         except Exception as e:
             gen.cancel()
             raise _as_api_error(e) from None
+        if head.error is not None:
+            raise _as_api_error(head.error)
         return StreamingResponse(self._events(gen, head, make_chunk, first, body.include_usage),
                                  media_type="text/event-stream")
 

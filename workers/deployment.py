@@ -87,6 +87,9 @@ class Chunk:
     text: str  # text delta; held back while it may be an incomplete character or stop string
     finish_reason: str | None = None  # "stop" or "length" on the last chunk
     stats: FinalStats | None = None
+    # a request refused before its first token comes back as the only chunk, not as a raised
+    # exception: a client's mistake is not a replica error for Ray to log with a traceback
+    error: InvalidRequest | None = None
 
 
 class InvalidRequest(ValueError):
@@ -133,8 +136,8 @@ class TargetWorker:
 
     # -- public methods (called through DeploymentHandles) ------------------------------------
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
-        """Chunks of one request as its steps complete. Raises InvalidRequest before the first
-        chunk when the request cannot be served."""
+        """Chunks of one request as its steps complete. A request that cannot be served gets
+        one chunk carrying the InvalidRequest as `error`."""
         slot = _Slot(request)
         self._pending.append(slot)
         self._ensure_loop()
@@ -142,6 +145,9 @@ class TargetWorker:
         try:
             while True:
                 item = await slot.queue.get()
+                if isinstance(item, InvalidRequest):
+                    yield Chunk([], "", error=item)
+                    return
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -157,6 +163,8 @@ class TargetWorker:
         texts: list[str] = []
         last: Chunk | None = None
         async for last in self.stream(request):
+            if last.error is not None:
+                return last
             token_ids += last.token_ids
             texts.append(last.text)
         assert last is not None and last.finish_reason is not None
