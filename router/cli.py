@@ -1,4 +1,4 @@
-"""The `specroute` command line: serve, generate, bench, policy check.
+"""The `specroute` command line: serve, generate, bench, policy check, train-classifier.
 
 Heavy imports (torch, Ray) happen inside each command so `specroute --help` stays instant and a
 bad argument is reported before any model loads.
@@ -167,6 +167,25 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_classifier(args: argparse.Namespace) -> int:
+    from policies.classifier import ClassifierError, read_examples, train, write_artefact
+
+    try:
+        examples = [e for path in args.data for e in read_examples(path)]
+        result = train(examples, holdout_mod=args.holdout_mod)
+        command = "specroute train-classifier " + " ".join(
+            [*(f"--data {p}" for p in args.data), f"--out {args.out}", f"--holdout-mod {args.holdout_mod}"]
+        )
+        card = write_artefact(result, args.out, args.data, command)
+    except ClassifierError as e:
+        raise CLIError(str(e)) from None
+    except OSError as e:
+        raise CLIError(f"cannot write {args.out}: {e.strerror}") from None
+    acc = "n/a" if result.heldout_accuracy is None else f"{result.heldout_accuracy:.4f}"
+    print(f"ok: trained on {result.n_train} prompts, held-out accuracy {acc} on {result.n_heldout}; wrote {card}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specroute", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -213,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated drafters the engine has (default: the default engine's, plus {PLAIN})",
     )
     check.set_defaults(func=cmd_policy_check)
+
+    tc = sub.add_parser("train-classifier", help="train the domain classifier (held-out split never trained on)")
+    tc.add_argument("--data", type=Path, action="append", required=True,
+                    help="JSONL: Spec-Bench (question_id, category, turns) or {text, domain} lines (repeatable)")
+    tc.add_argument("--out", type=Path, required=True, help="folder for the artefact and its CARD.md")
+    tc.add_argument("--holdout-mod", type=_positive_int, default=5,
+                    help="question_id %% N == 0 is held out: never trained on, scored (default 5)")
+    tc.set_defaults(func=cmd_train_classifier)
     return parser
 
 
