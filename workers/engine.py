@@ -235,18 +235,19 @@ class Generation:
             self.ctx.token_ids.append(token)
             if token in self.stop_ids:
                 self.finish_reason = "stop"
-            elif self.params.stop and (cut := self._stop_string_cut()) is not None:
-                self.finish_reason, self.text = "stop", self._decode()[:cut]
+            elif self.params.stop and (text := self._text_before_stop()) is not None:
+                self.finish_reason, self.text = "stop", text
             elif self.num_remaining == 0:
                 self.finish_reason = "length"
             if self.finished:
                 return n
         return len(token_ids)
 
-    def _stop_string_cut(self) -> int | None:
+    def _text_before_stop(self) -> str | None:
+        """The output text cut before the first stop string, or None when none occurs yet."""
         text = self._decode()
         hits = [i for s in self.params.stop if (i := text.find(s)) >= 0]
-        return min(hits) if hits else None
+        return text[: min(hits)] if hits else None
 
     def _decode(self) -> str:
         return self.engine.target.tokenizer.decode(self.output_ids, skip_special_tokens=True)
