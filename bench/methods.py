@@ -5,6 +5,7 @@
   hf           transformers `generate`, greedy: the peer without speculation
   hf-pld       transformers prompt lookup (`prompt_lookup_num_tokens=10`)
   hf-assisted  transformers assisted generation; the assistant is the first `model` drafter's model
+  router       SpecRoute's adaptive routing: classifier, policy, live statistics of this run
 All are greedy with the same token budget and the same EOS set, so outputs must be identical.
 """
 
@@ -24,13 +25,13 @@ from bench.records import RunRecord
 from bench.summary import PLAIN_METHOD
 from workers.config import EngineConfig, ModelDrafterConfig
 from workers.engine import PLAIN, SpecEngine
+from workers.routing import Router, RoutingReport
+from workers.routing import generate as route
 from workers.sampling import SamplingParams
 
 HF_METHODS = ("hf", "hf-pld", "hf-assisted")
+ROUTER_METHOD = "router"
 PROMPT_LOOKUP_NUM_TOKENS = 10  # transformers' documented example value
-# methods the CLI reserves but this release does not implement, with the reason
-NOT_YET = {"router": "method 'router' is not available yet: adaptive routing comes with the routing "
-                     "policy; benchmark 'plain', the drafter names or the hf peers for now"}
 
 
 class Method(Protocol):
@@ -42,10 +43,8 @@ class Method(Protocol):
 def check_methods(methods: list[str], config: EngineConfig) -> list[str]:
     """The methods to run, plain first (it is every other method's baseline), duplicates dropped.
     Raises ValueError naming the first method that cannot run."""
-    valid = [PLAIN_METHOD, *(d.name for d in config.drafters), *HF_METHODS]
+    valid = [PLAIN_METHOD, *(d.name for d in config.drafters), ROUTER_METHOD, *HF_METHODS]
     for name in methods:
-        if name in NOT_YET:
-            raise ValueError(NOT_YET[name])
         if name not in valid:
             raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(valid)}")
     if "hf-assisted" in methods and assistant_config(config) is None:
@@ -76,6 +75,38 @@ class EngineMethod:
             num_accepted_tokens=result.num_accepted_tokens,
             accepted_per_position=result.accepted_per_position, drafted_per_position=result.drafted_per_position,
         )
+
+
+@dataclass
+class RouterMethod:
+    """Every request through the router, statistics accumulating over the run as in service."""
+
+    name: str
+    router: Router
+
+    def run(self, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int) -> RunRecord:
+        params = SamplingParams(max_tokens=max_tokens)  # greedy
+        t0 = time.perf_counter()
+        routed = route(self.router, prompt_ids, params, prompt.text)
+        wall_s = time.perf_counter() - t0
+        result = routed.generation
+        return RunRecord(
+            question_id=prompt.question_id, category=prompt.category, method=self.name,
+            token_ids=result.token_ids, num_new_tokens=len(result.token_ids), wall_s=wall_s,
+            num_steps=result.num_steps, num_draft_tokens=result.num_draft_tokens,
+            num_accepted_tokens=result.num_accepted_tokens,
+            accepted_per_position=result.accepted_per_position, drafted_per_position=result.drafted_per_position,
+            routing=routing_summary(routed.routing),
+        )
+
+
+def routing_summary(report: RoutingReport) -> dict[str, Any]:
+    return {
+        "domain": report.domain, "drafter": report.drafter, "draft_len": report.draft_len,
+        "reason": report.reason, "predicted_speedup": round(report.predicted_speedup, 4),
+        "fallbacks": list(report.fallbacks),
+        "schedule": [[s.drafter, s.draft_len, s.num_steps] for s in report.schedule],
+    }
 
 
 @dataclass
@@ -151,10 +182,10 @@ def _until_eos(token_ids: list[int], eos_token_ids: frozenset[int]) -> list[int]
 
 def build_methods(
     names: list[str], engine: SpecEngine, hf_model: PreTrainedModel | None,
-    assistant: PreTrainedModel | None = None,
+    assistant: PreTrainedModel | None = None, router: Router | None = None,
 ) -> list[Method]:
     """Method objects for names already checked by `check_methods`. hf_model is the target as a
-    transformers model (needed by every hf method); assistant by hf-assisted."""
+    transformers model (needed by every hf method); assistant by hf-assisted; router by router."""
     eos = engine.target.model.info.eos_token_ids
     pad = engine.tokenizer.pad_token_id
     pad = pad if pad is not None else min(eos, default=None)
@@ -164,6 +195,10 @@ def build_methods(
             methods.append(EngineMethod(name, engine, PLAIN))
         elif name in engine.drafters:
             methods.append(EngineMethod(name, engine, name))
+        elif name == ROUTER_METHOD:
+            if router is None:
+                raise ValueError("method 'router' needs a Router")
+            methods.append(RouterMethod(name, router))
         elif name in HF_METHODS:
             if hf_model is None or (name == "hf-assisted" and assistant is None):
                 raise ValueError(f"method {name!r} needs its transformers model loaded")

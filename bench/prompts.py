@@ -10,6 +10,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from policies.classifier import is_heldout
+
+
+def _int_or_none(value: int | str) -> int | None:
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
 
 @dataclass(frozen=True)
 class BenchPrompt:
@@ -18,9 +27,12 @@ class BenchPrompt:
     text: str  # the first turn
 
 
-def load_prompts(path: Path, per_category: int, categories: list[str] | None = None) -> list[BenchPrompt]:
+def load_prompts(
+    path: Path, per_category: int, categories: list[str] | None = None, heldout_mod: int | None = None,
+) -> list[BenchPrompt]:
     """The first `per_category` questions of each category, categories in file order;
-    `categories` keeps only those (every name must exist in the file)."""
+    `categories` keeps only those (every name must exist in the file); `heldout_mod` keeps only
+    the held-out split the classifier never trained on (question_id % heldout_mod == 0)."""
     if per_category <= 0:
         raise ValueError(f"per_category must be positive, got {per_category}")
     by_category: dict[str, list[BenchPrompt]] = {}
@@ -33,7 +45,8 @@ def load_prompts(path: Path, per_category: int, categories: list[str] | None = N
         except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
             reason = f"{type(e).__name__}: {e}"
             raise ValueError(f"{path}:{lineno}: not a Spec-Bench question ({reason})") from None
-        by_category.setdefault(prompt.category, []).append(prompt)
+        if heldout_mod is None or is_heldout(_int_or_none(prompt.question_id), heldout_mod):
+            by_category.setdefault(prompt.category, []).append(prompt)
 
     wanted = list(by_category)
     if categories is not None:

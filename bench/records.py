@@ -27,6 +27,7 @@ class RunRecord:
     # (drafts vary in length, so "all drafted steps" would understate late positions).
     # None where the method does not expose it (transformers' generate).
     drafted_per_position: list[int] | None
+    routing: dict | None = None  # the router method: domain, plan, schedule, fallbacks
 
 
 @dataclass

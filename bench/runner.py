@@ -11,7 +11,7 @@ import functools
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
@@ -19,14 +19,17 @@ from transformers import PreTrainedModel
 
 from bench.lossless import find_mismatches
 from bench.machine import machine_info
-from bench.methods import HF_METHODS, assistant_config, build_methods, check_methods
+from bench.methods import HF_METHODS, ROUTER_METHOD, assistant_config, build_methods, check_methods
 from bench.prompts import load_prompts
 from bench.records import RunRecord
 from bench.report import write_report
 from bench.summary import summarize
 from bench.verify_cost import DEFAULT_KS, DEFAULT_REPS, measure_verify_curve
-from workers.config import EngineConfig
+from policies.schema import load_policy
+from policies.stats import MemoryStats
+from workers.config import EngineConfig, RoutingConfig
 from workers.engine import SpecEngine
+from workers.routing import Router, measure_costs
 from workers.sampling import SamplingParams
 from workers.target import load_hf
 
@@ -47,6 +50,8 @@ class BenchArgs:
     command: str  # recorded in results and report
     verify_ks: Sequence[int] = DEFAULT_KS
     verify_reps: int = DEFAULT_REPS
+    routing: RoutingConfig = field(default_factory=RoutingConfig)  # the router method's policy
+    heldout_mod: int | None = None  # keep question_id % N == 0 only: the classifier's held-out split
 
 
 def run_bench(args: BenchArgs) -> dict:
@@ -54,7 +59,8 @@ def run_bench(args: BenchArgs) -> dict:
     A bad method, category or prompt raises ValueError before any timing starts."""
     # cheap checks first: a typo must not cost a model load
     methods = check_methods(args.methods, args.config)
-    prompts = load_prompts(args.prompts, args.per_category, args.categories)
+    prompts = load_prompts(args.prompts, args.per_category, args.categories, args.heldout_mod)
+    policy = load_policy(args.routing.policy_path()) if ROUTER_METHOD in methods else None
     params = SamplingParams(max_tokens=args.max_tokens)
 
     engine = SpecEngine.from_config(args.config)
@@ -70,7 +76,11 @@ def run_bench(args: BenchArgs) -> dict:
     assistant = None
     if "hf-assisted" in methods and (drafter := assistant_config(args.config)) is not None:
         assistant = load_hf(drafter.model)[0]
-    runners = build_methods(methods, engine, hf_model, assistant)
+    router = None
+    if policy is not None:  # fresh in-memory statistics: the run starts cold, as a new service would
+        costs = measure_costs(engine) if args.routing.calibrate else None
+        router = Router(engine, policy, MemoryStats(), costs=costs, seed=args.routing.seed)
+    runners = build_methods(methods, engine, hf_model, assistant, router)
 
     for p in prompts[: max(0, args.warmup)]:
         for method in runners:

@@ -6,6 +6,9 @@ tokens (the bonus or recovered token is the 1). With a_j the acceptance rate at 
 every earlier token was accepted, P(first i + 1 accepted) = prod_{j <= i} a_j. The step costs
 t_draft(k) + t_verify(k); plain decoding emits one token per t_plain. So
     speedup(k) = E(k) * t_plain / (t_draft(k) + t_verify(k)),    plain = 1.
+A drafter that proposes only on a fraction m of its steps (prompt lookup needs a match) has
+t_verify(k) = m T(1 + k) + (1 - m) T(1), and the prefix probabilities count unproposed steps as
+rejected.
 Pure functions: no I/O, no clock, no randomness.
 """
 
@@ -36,11 +39,15 @@ class StepCosts:
     plain_s: float  # one plain decoding step (k = 0)
     draft_s_per_token: float  # the drafter's cost per proposed token
     verify_s: Sequence[float]  # verify_s[k]: one target forward over 1 + k tokens; [0] == plain_s
+    # how often the drafter proposes anything: a step it leaves empty (prompt lookup without a
+    # match) verifies nothing and costs a plain step
+    propose_rate: float = 1.0
 
     def step_s(self, k: int) -> float:
         if k >= len(self.verify_s):
             raise ValueError(f"no verify cost for k = {k} (known up to {len(self.verify_s) - 1})")
-        return k * self.draft_s_per_token + self.verify_s[k]
+        m = self.propose_rate
+        return k * self.draft_s_per_token + m * self.verify_s[k] + (1.0 - m) * self.verify_s[0]
 
 
 def predicted_speedup(prefix: Sequence[float], k: int, costs: StepCosts) -> float:

@@ -7,6 +7,7 @@ Counts only ever add, so a snapshot is a sum of counters and two snapshots merge
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -38,9 +39,20 @@ class StepLike(Protocol):
     draft_len: int
     num_draft_tokens: int
     num_accepted: int
+    num_emitted: int
     draft_s: float
     verify_s: float
     context_len: int
+
+
+class ShadowLike(Protocol):
+    """What `ShadowRecord.from_score` reads: the engine's ShadowScore."""
+
+    drafter: str
+    context_len: int
+    start: int
+    num_proposed: int
+    num_accepted: int
 
 
 @dataclass(frozen=True)
@@ -57,8 +69,13 @@ class StepRecord:
     draft_s: float
     verify_s: float
     context_len: int  # tokens before the step
+    num_emitted: int = -1  # tokens the step appended; -1: num_accepted + 1 (the usual case)
 
     def __post_init__(self) -> None:
+        if self.num_emitted == -1:
+            object.__setattr__(self, "num_emitted", self.num_accepted + 1)
+        if not 0 <= self.num_emitted <= self.num_accepted + 1:
+            raise ValueError(f"need 0 <= num_emitted <= num_accepted + 1, got {self.num_emitted}")
         if not 0 <= self.num_accepted <= self.num_draft_tokens:
             raise ValueError(f"need 0 <= num_accepted <= num_draft_tokens, got {self.num_accepted}, "
                              f"{self.num_draft_tokens}")
@@ -80,7 +97,88 @@ class StepRecord:
             domain=domain, drafter=step.drafter, draft_len=step.draft_len,
             num_draft_tokens=step.num_draft_tokens, num_accepted=step.num_accepted,
             draft_s=step.draft_s, verify_s=step.verify_s, context_len=step.context_len,
+            num_emitted=step.num_emitted,
         )
+
+
+@dataclass(frozen=True)
+class ShadowRecord:
+    """A cheap drafter scored counterfactually on target-verified tokens (HedgeSpec's free
+    full-information update): its proposal of `num_proposed` tokens at `context_len`, of which
+    the first `num_accepted` equal the tokens the target emitted there. Only positions
+    [start, num_proposed) count: a drafter that really drafted the first `start` positions of
+    that step recorded them in its StepRecord already. start == 0 counts as one shadow step.
+    Kept apart from real counts, so metrics report only real drafts; the policy adds both."""
+
+    domain: str
+    drafter: str
+    context_len: int
+    start: int
+    num_proposed: int
+    num_accepted: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_accepted <= self.num_proposed or not 0 <= self.start <= self.num_proposed:
+            raise ValueError(f"need 0 <= num_accepted, start <= num_proposed, got {self.num_accepted}, "
+                             f"{self.start}, {self.num_proposed}")
+        if self.drafter == PLAIN or self.context_len < 0:
+            raise ValueError(f"a shadow needs a drafter and context_len >= 0, got {self.drafter!r}, "
+                             f"{self.context_len}")
+
+    @classmethod
+    def from_score(cls, domain: str, score: ShadowLike) -> ShadowRecord:
+        return cls(domain=domain, drafter=score.drafter, context_len=score.context_len, start=score.start,
+                   num_proposed=score.num_proposed, num_accepted=score.num_accepted)
+
+
+# Upper bounds (seconds) of every latency histogram's buckets; +Inf is implicit. Fixed, so
+# replicas and time buckets add up bucket by bucket.
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+# histogram names: time to first token, inter-token latency, end to end (no label); the draft
+# stage (label: drafter) and the verify stage (label: draft tokens verified) of each step
+HISTOGRAMS = ("ttft", "itl", "e2e", "draft", "verify")
+
+
+def latency_bucket(seconds: float) -> int:
+    """Index of the histogram bucket holding `seconds` (len(LATENCY_BUCKETS_S) is +Inf)."""
+    return bisect.bisect_left(LATENCY_BUCKETS_S, seconds)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished request: how it was routed, each fallback to plain, and its latencies."""
+
+    domain: str
+    drafter: str  # the drafter of its first step's plan; PLAIN when it started plain
+    reason: str  # why: best, explore, probe, fallback, forced, ...
+    ttft_s: float
+    e2e_s: float
+    fallbacks: tuple[str, ...] = ()  # the reason of each switch to plain decoding
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.ttft_s <= self.e2e_s and math.isfinite(self.e2e_s)):
+            raise ValueError(f"need 0 <= ttft_s <= e2e_s, finite; got {self.ttft_s}, {self.e2e_s}")
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Bucket counts (not cumulative; the last is +Inf) plus the sum of observations."""
+
+    counts: tuple[int, ...] = (0,) * (len(LATENCY_BUCKETS_S) + 1)
+    sum_s: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def __add__(self, other: Histogram) -> Histogram:
+        return Histogram(tuple(a + b for a, b in zip(self.counts, other.counts, strict=True)), self.sum_s + other.sum_s)
+
+
+Record = StepRecord | ShadowRecord | RequestRecord
 
 
 @dataclass(frozen=True)
@@ -114,6 +212,8 @@ class AcceptanceCounts:
     num_accepted_tokens: int = 0
     drafted_per_position: tuple[int, ...] = ()  # [i]: drafts that proposed a token at position i
     accepted_per_position: tuple[int, ...] = ()  # [i]: drafts whose token at position i was accepted
+    num_emitted_tokens: int = 0  # tokens the steps appended (measured speedup)
+    step_s: float = 0.0  # seconds the steps took, draft and verify (measured speedup)
 
     def __add__(self, other: AcceptanceCounts) -> AcceptanceCounts:
         return AcceptanceCounts(
@@ -121,6 +221,7 @@ class AcceptanceCounts:
             self.num_draft_tokens + other.num_draft_tokens, self.num_accepted_tokens + other.num_accepted_tokens,
             _add_tuples(self.drafted_per_position, other.drafted_per_position),
             _add_tuples(self.accepted_per_position, other.accepted_per_position),
+            self.num_emitted_tokens + other.num_emitted_tokens, self.step_s + other.step_s,
         )
 
     def acceptance_by_position(self) -> list[float]:
@@ -153,22 +254,44 @@ class StatsSnapshot:
     draft_cost: Mapping[tuple[str, str], CostStat] = field(default_factory=dict)  # drafter: seconds per draft token
     verify_cost: Mapping[tuple[int, str], CostStat] = field(default_factory=dict)  # k >= 1 draft tokens
     plain_cost: Mapping[str, CostStat] = field(default_factory=dict)  # steps with no draft token
+    # counterfactual scores of cheap drafters (ShadowRecord), keyed like `acceptance`
+    shadow: Mapping[tuple[str, str, str], AcceptanceCounts] = field(default_factory=dict)
+    decisions: Mapping[tuple[str, str, str], int] = field(default_factory=dict)  # domain, drafter, reason
+    fallbacks: Mapping[tuple[str, str], int] = field(default_factory=dict)  # domain, reason
+    histograms: Mapping[tuple[str, str], Histogram] = field(default_factory=dict)  # name, label
     window_s: float | None = None  # None: all time
     degraded: bool = False  # the shared store was unreachable: last good data plus local records
 
+    _MAPS = ("acceptance", "draft_cost", "verify_cost", "plain_cost", "shadow", "decisions", "fallbacks",
+             "histograms")
+
     def __post_init__(self) -> None:
-        for name in ("acceptance", "draft_cost", "verify_cost", "plain_cost"):
+        for name in self._MAPS:
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
     def counts(self, domain: str, drafter: str, bucket: str | None = None) -> AcceptanceCounts:
+        """Real drafts only: what metrics report."""
         return _sum((c for (d, r, b), c in self.acceptance.items()
                      if d == domain and r == drafter and bucket in (None, b)), AcceptanceCounts())
+
+    def shadow_counts(self, domain: str, drafter: str, bucket: str | None = None) -> AcceptanceCounts:
+        return _sum((c for (d, r, b), c in self.shadow.items()
+                     if d == domain and r == drafter and bucket in (None, b)), AcceptanceCounts())
+
+    def evidence(self, domain: str, drafter: str, bucket: str | None = None) -> AcceptanceCounts:
+        """Real and counterfactual observations together: what the policy learns from."""
+        return self.counts(domain, drafter, bucket) + self.shadow_counts(domain, drafter, bucket)
+
+    def histogram(self, name: str, label: str | None = None) -> Histogram:
+        """One histogram; label None sums over labels."""
+        return _sum((h for (n, lab), h in self.histograms.items() if n == name and label in (None, lab)),
+                    Histogram())
 
     def acceptance_by_position(self, domain: str, drafter: str, bucket: str | None = None) -> list[float]:
         return self.counts(domain, drafter, bucket).acceptance_by_position()
 
     def domains(self) -> list[str]:
-        return sorted({d for d, _, _ in self.acceptance})
+        return sorted({d for d, _, _ in self.acceptance} | {d for d, _, _ in self.decisions})
 
     def drafters(self, domain: str) -> list[str]:
         return sorted({r for d, r, _ in self.acceptance if d == domain})
@@ -201,6 +324,10 @@ class StatsSnapshot:
             draft_cost=_add_maps(self.draft_cost, other.draft_cost),
             verify_cost=_add_maps(self.verify_cost, other.verify_cost),
             plain_cost=_add_maps(self.plain_cost, other.plain_cost),
+            shadow=_add_maps(self.shadow, other.shadow),
+            decisions=_add_maps(self.decisions, other.decisions),
+            fallbacks=_add_maps(self.fallbacks, other.fallbacks),
+            histograms=_add_maps(self.histograms, other.histograms),
             window_s=None if None in (self.window_s, other.window_s) else max(self.window_s, other.window_s),
             degraded=self.degraded or other.degraded,
         )

@@ -23,6 +23,8 @@ DEFAULT_POLICY_PATH = Path(__file__).resolve().parent / "default_policy.yaml"
 # The largest draft length anywhere: the bound on every domain's k_max and the default of the
 # engine's EngineConfig.max_draft_len, which imports it from here.
 MAX_DRAFT_LEN = 16
+# The prior acceptance rate of a drafter that a domain lists without one in `priors`.
+DEFAULT_PRIOR = 0.5
 
 _DOMAIN_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
@@ -47,7 +49,8 @@ class DomainPolicy(_Strict):
     k_max: int = Field(8, ge=1, le=MAX_DRAFT_LEN, description="largest draft length the selector may choose")
     priors: dict[str, float] = Field(
         default_factory=dict,
-        description="drafter -> prior acceptance rate in [0, 1], used until live statistics accrue",
+        description=f"drafter -> prior acceptance rate in [0, 1], used until live statistics accrue; "
+                    f"unlisted drafters get {DEFAULT_PRIOR}",
     )
     fallback_threshold: float = Field(
         1.0, gt=0, description="predicted speedup below which the request falls back to plain decoding"

@@ -7,10 +7,16 @@ window is the sum of its buckets. Buckets older than the retention are dropped (
 (Redis TTL); a window is clamped to the retention. Field grammar, five `|`-separated parts:
 
     a|<domain>|<drafter>|<ctx>|steps|drafts|draft_tokens|accepted_tokens|drafted.<i>|accepted.<i>
+                                    |emitted|s (tokens appended, step seconds)
+    s|<domain>|<drafter>|<ctx>|steps|drafts|drafted.<i>|accepted.<i>   counterfactual (shadow) scores
     c|draft|<drafter>|<ctx>|s|n     draft seconds and draft tokens of a drafter
     c|verify|<k>|<ctx>|s|n          verify seconds and steps with k >= 1 draft tokens
     c|plain||<ctx>|s|n              seconds and count of steps with no draft token
+    r|<domain>|<drafter>|<reason>|n routing decisions (one per request)
+    f|<domain>||<reason>|n          fallbacks to plain decoding
+    h|<name>|<label>|<i>|n, h|<name>|<label>|sum|s   latency histograms (LATENCY_BUCKETS_S)
 
+Fields ending in `|s` are float seconds, the rest integer counts.
 Domain and drafter names are percent-encoded, so any string round-trips. Counters only add, so
 increments from many steps, replicas or a local buffer merge by addition.
 """
@@ -33,18 +39,24 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from policies.records import (
+    LATENCY_BUCKETS_S,
     PLAIN,
     AcceptanceCounts,
     CostStat,
+    Histogram,
+    Record,
+    RequestRecord,
+    ShadowRecord,
     StatsSnapshot,
     StepRecord,
     context_bucket,
+    latency_bucket,
 )
 
 __all__ = [  # the value types live in policies.records and are re-exported here
     "DEFAULT_BUCKET_S", "DEFAULT_PREFIX", "DEFAULT_RETENTION_S", "PLAIN", "AcceptanceCounts", "CostStat",
-    "MemoryStats", "RedisStats", "StatsSnapshot", "StatsStore", "StepRecord", "StoreHealth", "context_bucket",
-    "make_stats_store",
+    "MemoryStats", "RedisStats", "Record", "RequestRecord", "ShadowRecord", "StatsSnapshot", "StatsStore",
+    "StepRecord", "StoreHealth", "context_bucket", "make_stats_store",
 ]
 
 log = logging.getLogger(__name__)
@@ -70,9 +82,9 @@ class StoreHealth:
 
 @runtime_checkable
 class StatsStore(Protocol):
-    def record(self, step: StepRecord) -> None: ...
+    def record(self, record: Record) -> None: ...
 
-    def record_many(self, steps: Iterable[StepRecord]) -> None: ...
+    def record_many(self, records: Iterable[Record]) -> None: ...
 
     def snapshot(self, window_s: float | None = None) -> StatsSnapshot:
         """Statistics of the last `window_s` seconds (rounded up to whole buckets, at most the
@@ -95,7 +107,8 @@ def _step_fields(step: StepRecord) -> dict[str, int | float]:
     ctx = context_bucket(step.context_len)
     a = f"a|{_name(step.domain)}|{_name(step.drafter)}|{ctx}|"
     k, num_accepted = step.num_draft_tokens, step.num_accepted
-    out: dict[str, int | float] = {a + "steps": 1}
+    step_s = step.draft_s + step.verify_s
+    out: dict[str, int | float] = {a + "steps": 1, a + "emitted": step.num_emitted, a + "s": step_s}
     if k:
         out.update({a + "drafts": 1, a + "draft_tokens": k, a + "accepted_tokens": num_accepted})
         out.update({f"{a}drafted.{i}": 1 for i in range(k)})
@@ -103,20 +116,62 @@ def _step_fields(step: StepRecord) -> dict[str, int | float]:
         out.update({f"c|verify|{k}|{ctx}|s": step.verify_s, f"c|verify|{k}|{ctx}|n": 1})
     else:
         out.update({f"c|plain||{ctx}|s": step.verify_s, f"c|plain||{ctx}|n": 1})
+    out.update(_observe("verify", str(k), step.verify_s))
     if step.drafter != PLAIN:
         # time spent asking counts even when nothing was proposed: it is the drafter's real cost
         c = f"c|draft|{_name(step.drafter)}|{ctx}|"
         out.update({c + "s": step.draft_s, c + "n": k})
+        out.update(_observe("draft", step.drafter, step.draft_s))
+    if step.num_emitted:  # each token of the step waited step_s / n on average
+        for field, value in _observe("itl", "", step_s / step.num_emitted).items():
+            out[field] = value * step.num_emitted
+    return out
+
+
+def _shadow_fields(shadow: ShadowRecord) -> dict[str, int | float]:
+    s = f"s|{_name(shadow.domain)}|{_name(shadow.drafter)}|{context_bucket(shadow.context_len)}|"
+    out: dict[str, int | float] = {}
+    if shadow.start == 0:
+        out.update({s + "steps": 1, s + "drafts": int(shadow.num_proposed > 0)})
+    out.update({f"{s}drafted.{i}": 1 for i in range(shadow.start, shadow.num_proposed)})
+    out.update({f"{s}accepted.{i}": 1 for i in range(shadow.start, shadow.num_accepted)})
+    return out
+
+
+def _request_fields(request: RequestRecord) -> dict[str, int | float]:
+    domain = _name(request.domain)
+    out: Counter[str] = Counter({f"r|{domain}|{_name(request.drafter)}|{_name(request.reason)}|n": 1})
+    for reason in request.fallbacks:
+        out[f"f|{domain}||{_name(reason)}|n"] += 1
+    out.update(_observe("ttft", "", request.ttft_s))
+    out.update(_observe("e2e", "", request.e2e_s))
+    return dict(out)
+
+
+def _observe(name: str, label: str, seconds: float) -> dict[str, int | float]:
+    h = f"h|{name}|{_name(label)}|"
+    return {f"{h}{latency_bucket(seconds)}|n": 1, f"{h}sum|s": seconds}
+
+
+def _fields(record: Record) -> dict[str, int | float]:
+    if isinstance(record, StepRecord):
+        out = _step_fields(record)
+    elif isinstance(record, ShadowRecord):
+        out = _shadow_fields(record)
+    elif isinstance(record, RequestRecord):
+        out = _request_fields(record)
+    else:
+        raise TypeError(f"not a stats record: {type(record).__name__}")
     return {f: v for f, v in out.items() if v}
 
 
-def _increments(steps: Iterable[StepRecord]) -> tuple[Counter[str], int]:
+def _increments(records: Iterable[Record]) -> tuple[Counter[str], int]:
     total: Counter[str] = Counter()
-    num_steps = 0
-    for step in steps:
-        total.update(_step_fields(step))
-        num_steps += 1
-    return total, num_steps
+    num_records = 0
+    for record in records:
+        total.update(_fields(record))
+        num_records += 1
+    return total, num_records
 
 
 def _is_float(field: str) -> bool:
@@ -137,37 +192,53 @@ def _numeric(hash_: Mapping[str | bytes, str | bytes | int | float]) -> dict[str
 
 def _parse(fields: Mapping[str, int | float], window_s: float | None) -> StatsSnapshot:
     """Flat counters into a snapshot; fields of another grammar are skipped."""
-    scalars: dict[tuple[str, str, str], Counter[str]] = {}
-    positions: dict[tuple[str, str, str], dict[str, dict[int, int]]] = {}
+    scalars: dict[tuple[str, str, str, str], Counter[str]] = {}  # (kind, domain, drafter, ctx)
+    positions: dict[tuple[str, str, str, str], dict[str, dict[int, int]]] = {}
     costs: dict[tuple[str, str, str], list] = {}  # (kind, key, ctx) -> [total_s, count]
+    decisions: Counter[tuple[str, str, str]] = Counter()
+    fallbacks: Counter[tuple[str, str]] = Counter()
+    histograms: dict[tuple[str, str], list] = {}  # (name, label) -> [counts, sum_s]
+    num_buckets = len(LATENCY_BUCKETS_S) + 1
     for field, value in fields.items():
         parts = field.split("|")
         if len(parts) != 5:
             continue
-        kind, p1, p2, ctx, stat = parts
-        if kind == "a":
-            key = (unquote(p1), unquote(p2), ctx)
+        kind, p1, p2, p3, stat = parts
+        if kind in ("a", "s"):
+            key = (kind, unquote(p1), unquote(p2), p3)
             which, _, index = stat.partition(".")
             if index.isdigit():
                 positions.setdefault(key, {}).setdefault(which, {})[int(index)] = int(value)
             else:
-                scalars.setdefault(key, Counter())[stat] += int(value)
+                scalars.setdefault(key, Counter())[stat] += value
         elif kind == "c" and stat in ("s", "n"):
-            cost = costs.setdefault((p1, unquote(p2), ctx), [0.0, 0])
+            cost = costs.setdefault((p1, unquote(p2), p3), [0.0, 0])
             cost[0 if stat == "s" else 1] += value
+        elif kind == "r" and stat == "n":
+            decisions[unquote(p1), unquote(p2), unquote(p3)] += int(value)
+        elif kind == "f" and stat == "n":
+            fallbacks[unquote(p1), unquote(p3)] += int(value)
+        elif kind == "h":
+            hist = histograms.setdefault((p1, unquote(p2)), [[0] * num_buckets, 0.0])
+            if p3 == "sum" and stat == "s":
+                hist[1] += value
+            elif p3.isdigit() and int(p3) < num_buckets and stat == "n":
+                hist[0][int(p3)] += int(value)
 
-    def per_position(key: tuple[str, str, str], which: str) -> tuple[int, ...]:
+    def per_position(key: tuple[str, str, str, str], which: str) -> tuple[int, ...]:
         by_index = positions.get(key, {}).get(which, {})
         return tuple(by_index.get(i, 0) for i in range(max(by_index, default=-1) + 1))
 
-    acceptance = {}
+    acceptance, shadow = {}, {}
     for key in scalars.keys() | positions.keys():
         s = scalars.get(key, Counter())
-        acceptance[key] = AcceptanceCounts(
-            num_steps=s["steps"], num_drafts=s["drafts"], num_draft_tokens=s["draft_tokens"],
-            num_accepted_tokens=s["accepted_tokens"], drafted_per_position=per_position(key, "drafted"),
-            accepted_per_position=per_position(key, "accepted"),
+        counts = AcceptanceCounts(
+            num_steps=int(s["steps"]), num_drafts=int(s["drafts"]), num_draft_tokens=int(s["draft_tokens"]),
+            num_accepted_tokens=int(s["accepted_tokens"]), drafted_per_position=per_position(key, "drafted"),
+            accepted_per_position=per_position(key, "accepted"), num_emitted_tokens=int(s["emitted"]),
+            step_s=float(s["s"]),
         )
+        (acceptance if key[0] == "a" else shadow)[key[1:]] = counts
     draft_cost, verify_cost, plain_cost = {}, {}, {}
     for (kind, key, ctx), (total_s, count) in costs.items():
         stat = CostStat(total_s, int(count))
@@ -177,7 +248,11 @@ def _parse(fields: Mapping[str, int | float], window_s: float | None) -> StatsSn
             verify_cost[int(key), ctx] = stat
         elif kind == "plain":
             plain_cost[ctx] = stat
-    return StatsSnapshot(acceptance, draft_cost, verify_cost, plain_cost, window_s=window_s)
+    return StatsSnapshot(
+        acceptance, draft_cost, verify_cost, plain_cost, shadow=shadow, decisions=decisions, fallbacks=fallbacks,
+        histograms={key: Histogram(tuple(counts), sum_s) for key, (counts, sum_s) in histograms.items()},
+        window_s=window_s,
+    )
 
 
 # -- time buckets --------------------------------------------------------------------------------
@@ -227,11 +302,11 @@ class MemoryStats:
         self._buckets: dict[int, Counter[str]] = {}
         self._total: Counter[str] = Counter()
 
-    def record(self, step: StepRecord) -> None:
-        self.record_many((step,))
+    def record(self, record: Record) -> None:
+        self.record_many((record,))
 
-    def record_many(self, steps: Iterable[StepRecord]) -> None:
-        increments, num_steps = _increments(steps)
+    def record_many(self, records: Iterable[Record]) -> None:
+        increments, num_steps = _increments(records)
         if not num_steps:
             return
         with self._lock:
@@ -330,11 +405,11 @@ class RedisStats:
         self._retry_at = -math.inf
 
     # -- StatsStore ----------------------------------------------------------------------------
-    def record(self, step: StepRecord) -> None:
-        self.record_many((step,))
+    def record(self, record: Record) -> None:
+        self.record_many((record,))
 
-    def record_many(self, steps: Iterable[StepRecord]) -> None:
-        increments, num_steps = _increments(steps)
+    def record_many(self, records: Iterable[Record]) -> None:
+        increments, num_steps = _increments(records)
         if not num_steps:
             return
         with self._lock:

@@ -10,6 +10,7 @@ speculation plan, and relays the worker's chunks as JSON or as SSE. It never imp
 # must see their parameter types as classes, not strings
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,7 +27,6 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.schemas import (
-    AUTO,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -46,13 +46,14 @@ from router.schemas import (
     SpeculationInfo,
     Usage,
 )
-from workers.config import EngineConfig
-from workers.deployment import PLAIN, Chunk, FinalStats, GenerateRequest, InvalidRequest, TargetWorker
+from workers.config import EngineConfig, RoutingConfig
+from workers.deployment import Chunk, FinalStats, GenerateRequest, InvalidRequest, TargetWorker
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 INGRESS_MAX_ONGOING_REQUESTS = 1024  # the ingress only relays: its limit is the workers' sum and more
+STATS_URL_ENV = "SPECROUTE_REDIS_URL"  # the shared statistics store, when the Serve config names none
 
 
 # -- application arguments ---------------------------------------------------------------------
@@ -76,6 +77,11 @@ class AppArgs(BaseModel):
 
     served_model_name: str = Field(DEFAULT_SERVED_MODEL_NAME, description="the `model` clients send")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="target, drafters, engine")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="routing policy and its start")
+    stats_url: str | None = Field(
+        None, description=f"redis:// URL of statistics shared by every replica (default: ${STATS_URL_ENV}, "
+                          "else each replica's own, in memory)",
+    )
     max_ongoing_requests: int = Field(16, ge=1, description="concurrent requests per target replica")
     num_replicas: int | None = Field(None, ge=1, description="fixed target replicas (default 1)")
     autoscaling_config: AutoscalingArgs | None = Field(None, description="instead of num_replicas")
@@ -104,7 +110,10 @@ class AppArgs(BaseModel):
 def build_app(args: dict[str, Any]) -> Application:
     """The Serve application from a Serve config's application args."""
     app_args = AppArgs.model_validate(args or {})
-    worker = TargetWorker.options(**app_args.worker_options()).bind(app_args.engine.model_dump(mode="json"))
+    stats_url = app_args.stats_url or os.environ.get(STATS_URL_ENV) or None
+    worker = TargetWorker.options(**app_args.worker_options()).bind(
+        app_args.engine.model_dump(mode="json"), app_args.routing.model_dump(mode="json"), stats_url,
+    )
     return OpenAIIngress.bind(worker, app_args.model_dump(mode="json"))
 
 
@@ -178,6 +187,8 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
 # -- the ingress ---------------------------------------------------------------------------------
 def _speculation_info(stats: FinalStats) -> SpeculationInfo:
     return SpeculationInfo(
+        domain=stats.domain, policy_version=stats.policy_version, reason=stats.reason,
+        schedule=[list(segment) for segment in stats.schedule], fallbacks=stats.fallbacks,
         drafter=stats.drafter, draft_len=stats.draft_len, drafters=stats.drafters_used,
         num_steps=stats.num_steps, num_draft_tokens=stats.num_draft_tokens,
         num_accepted_tokens=stats.num_accepted_tokens,
@@ -269,14 +280,11 @@ class OpenAIIngress:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                                 f"'{self.model_name}'", "model", "model_not_found")
-        drafter, draft_len = body.speculation.drafter, body.speculation.draft_len
-        if drafter == AUTO:
-            # the routing policy replaces this: for now, the first configured drafter, static k
-            drafter = self.drafter_names[0] if self.drafter_names else PLAIN
+        spec = body.speculation
         return GenerateRequest(
             prompt=prompt, max_tokens=body.num_max_tokens, temperature=body.temperature,
             top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed, stop=tuple(body.stop),
-            ignore_eos=body.ignore_eos, drafter=drafter, draft_len=draft_len,
+            ignore_eos=body.ignore_eos, drafter=spec.drafter, draft_len=spec.draft_len, domain=spec.domain,
         )
 
     async def _generate(self, body: GenerationRequestBase, prompt: str | list[dict[str, str]]) -> Chunk:

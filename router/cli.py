@@ -16,7 +16,7 @@ import yaml
 from pydantic import ValidationError
 
 from policies.schema import describe_errors
-from workers.config import PLAIN, EngineConfig
+from workers.config import PLAIN, EngineConfig, RoutingConfig
 
 DEFAULT_SERVE_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve.cpu.yaml"
 
@@ -51,6 +51,12 @@ def read_yaml(path: Path) -> dict:
     return data
 
 
+def routing_config(policy: Path | None) -> RoutingConfig:
+    if policy is not None and not policy.is_file():
+        raise CLIError(f"--policy: no file {policy}")
+    return RoutingConfig(policy=policy)
+
+
 def describe_validation_error(e: ValidationError) -> str:
     return describe_errors(e, root="config")
 
@@ -70,13 +76,18 @@ def _draft_len(text: str) -> int | None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from policies.schema import PolicyError
+    from policies.stats import MemoryStats
     from workers.engine import RequestError, SpecEngine
+    from workers.routing import AUTO, Router, Speculation
+    from workers.routing import generate as route
     from workers.sampling import SamplingParams
     from workers.target import ModelLoadError
 
     if not args.prompt.strip():
         raise CLIError("--prompt is empty")
     config = load_engine_config(args.config)
+    routing = routing_config(args.policy)
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -85,17 +96,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CLIError(str(e)) from None
     names = [d.name for d in config.drafters]
-    # `auto` routes by policy once one is configured; until then it is the first drafter
-    drafter = (names[0] if names else PLAIN) if args.drafter == "auto" else args.drafter
-    if drafter != PLAIN and drafter not in names:
-        raise CLIError(f"unknown drafter {drafter!r}; configured: {', '.join(['auto', PLAIN, *names])}")
+    if args.drafter not in (AUTO, PLAIN, *names):
+        raise CLIError(f"unknown drafter {args.drafter!r}; configured: {', '.join([AUTO, PLAIN, *names])}")
     try:
         engine = SpecEngine.from_config(config)
+        # one request: a measured cost curve would cost more than it could save
+        router = Router.from_config(engine, routing.model_copy(update={"calibrate": False}), MemoryStats())
         prompt_ids = engine.encode(args.prompt, chat=not args.raw)
-        result = engine.generate(prompt_ids, params, drafter, args.draft_len)
-    except (RequestError, ModelLoadError) as e:
+        routed = route(router, prompt_ids, params, args.prompt, Speculation(args.drafter, args.draft_len))
+    except (RequestError, ModelLoadError, PolicyError) as e:
         raise CLIError(str(e)) from None
 
+    result, report = routed.generation, routed.routing
     if not args.json:
         print(result.text)
         return 0
@@ -103,9 +115,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "text": result.text,
         "token_ids": result.token_ids,
         "finish_reason": result.finish_reason,
-        "domain": None,  # set by the routing policy's classifier
-        "drafter": drafter,
-        "draft_len": engine.default_draft_len(drafter) if args.draft_len is None else args.draft_len,
+        "domain": report.domain,
+        "drafter": report.drafter,
+        "draft_len": report.draft_len,
+        "drafters_used": result.drafters,
+        "policy_version": report.policy_version,
+        "reason": report.reason,
+        "schedule": [[s.drafter, s.draft_len, s.num_steps] for s in report.schedule],
+        "fallbacks": list(report.fallbacks),
         "num_prompt_tokens": len(prompt_ids),
         "num_steps": result.num_steps,
         "num_draft_tokens": result.num_draft_tokens,
@@ -119,6 +136,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from bench.runner import BenchArgs, run_bench
+    from policies.schema import PolicyError
     from workers.target import ModelLoadError
 
     if not args.prompts.is_file():
@@ -131,10 +149,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         methods=methods, out=args.out, config=load_engine_config(args.config),
         categories=args.categories.split(",") if args.categories else None,
         warmup=args.warmup, verify_curve=not args.no_verify_curve, command=" ".join(sys.argv),
+        routing=routing_config(args.policy), heldout_mod=args.heldout_mod,
     )
     try:
         run_bench(bench_args)
-    except (ValueError, ModelLoadError) as e:
+    except (ValueError, ModelLoadError, PolicyError) as e:
         raise CLIError(str(e)) from None
     return 0
 
@@ -208,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="no chat template: the prompt as is")
     gen.add_argument("--config", type=Path, default=None, help="engine or Serve config YAML")
+    gen.add_argument("--policy", type=Path, default=None, help="routing policy YAML (default: the shipped one)")
     gen.add_argument("--json", action="store_true", help="one JSON object with the statistics")
     gen.set_defaults(func=cmd_generate)
 
@@ -221,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--config", type=Path, default=None, help="engine or Serve config YAML")
     bench.add_argument("--warmup", type=int, default=1, help="prompts run per method before timing")
     bench.add_argument("--no-verify-curve", action="store_true", help="skip the T(1+k)/T(1) curve")
+    bench.add_argument("--policy", type=Path, default=None, help="routing policy YAML of the router method")
+    bench.add_argument("--heldout-mod", type=_positive_int, default=None,
+                       help="only question_id %% N == 0: the split the classifier never trained on")
     bench.set_defaults(func=cmd_bench)
 
     policy = sub.add_parser("policy", help="routing policy tools")

@@ -22,6 +22,7 @@ class SpeculationRequest(BaseModel):
     drafter: str = Field(
         AUTO, description='"auto" (the router decides), "none" (plain decoding) or a drafter name')
     draft_len: int | None = Field(None, description='"auto" (null) or K >= 1 tokens per draft')
+    domain: str | None = Field(None, description="a policy domain, overriding the classifier (null: classify)")
 
     @field_validator("draft_len", mode="before")
     @classmethod
@@ -139,10 +140,13 @@ class SpeculationInfo(BaseModel):
     """What ran for one request: the shape of vLLM's per-request speculative-decoding metrics plus
     the routing decision."""
 
-    domain: str | None = None  # set by the routing policy's classifier
-    policy_version: str | None = None  # set once a routing policy is loaded
-    drafter: str  # the drafter chosen ("none": plain decoding)
-    draft_len: int  # the k chosen (0 for plain decoding)
+    domain: str | None = None  # from the request, a policy rule, the classifier or the default
+    policy_version: str | None = None  # the routing policy that planned the request
+    reason: str | None = None  # why the plan: best, explore, fallback, policy or forced
+    drafter: str  # the plan's drafter ("none": plain decoding)
+    draft_len: int  # the plan's k (0 for plain decoding)
+    schedule: list[list[str | int]] = []  # [drafter, k, steps]: what each run of steps asked
+    fallbacks: list[str] = []  # the reason of each switch to plain decoding
     drafters: list[str]  # drafters that actually proposed, in order of first use
     num_steps: int  # target forwards
     num_draft_tokens: int

@@ -116,6 +116,17 @@ def test_cli_bench(tmp_path: Path, tiny_config: EngineConfig, capsys: pytest.Cap
     assert [(r["question_id"], r["method"]) for r in results["runs"]] == [(2, "plain"), (2, "ngram")]
     assert results["verify_curve"] is None and not (out / "verify_curve.png").exists()
 
+    # the router: lossless, its decision recorded per run; --heldout-mod 2 keeps even question ids
+    routed = tmp_path / "routed"
+    assert main([*common, "--methods", "router", "--heldout-mod", "2", "--per-category", "2", "--out", str(routed)]) == 0
+    results = json.loads((routed / "results.json").read_text())
+    runs = [r for r in results["runs"] if r["method"] == "router"]
+    assert [r["question_id"] for r in runs] == [2, 4] and not results["mismatches"]
+    for r in runs:
+        assert r["routing"]["domain"] in ("code", "summarization", "chat")
+        assert sum(steps for _, _, steps in r["routing"]["schedule"]) == r["num_steps"]
+    assert all(s["lossless"] for s in results["summary"]["overall"].values())
+
     assert main([*common, "--methods", "plain,ngarm", "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert "ngarm" in err and "ngram" in err  # names the bad method and lists the valid ones
@@ -125,8 +136,7 @@ def test_cli_bench(tmp_path: Path, tiny_config: EngineConfig, capsys: pytest.Cap
 def test_bad_methods_and_categories(tmp_path: Path) -> None:
     config = EngineConfig(drafters=[NgramDrafterConfig()])
     assert check_methods(["ngram", "hf", "ngram"], config) == ["plain", "ngram", "hf"]
-    with pytest.raises(ValueError, match="'router' is not available yet"):
-        check_methods(["router"], config)
+    assert check_methods(["router"], config) == ["plain", "router"]
     with pytest.raises(ValueError, match="hf-assisted.*kind 'model'"):
         check_methods(["hf-assisted"], config)
     prompts = write_questions(tmp_path / "q.jsonl")

@@ -55,3 +55,17 @@ def test_best_draft_len_picks_the_peak_and_falls_back_to_plain() -> None:
 def test_unknown_verify_cost_is_an_error() -> None:
     with pytest.raises(ValueError, match="no verify cost for k = 20"):
         COSTS.step_s(20)
+
+
+def test_a_drafter_that_often_proposes_nothing_costs_less_per_step() -> None:
+    """Prompt lookup without a match leaves the step plain: its cost is a plain step's, so a
+    low proposal rate must not be charged the full verify cost."""
+    verify = [1.0 + 0.1 * k for k in range(9)]
+    always = StepCosts(1.0, 0.0, verify)
+    half = StepCosts(1.0, 0.0, verify, propose_rate=0.5)
+    assert always.step_s(4) == pytest.approx(1.4) and half.step_s(4) == pytest.approx(1.2)
+    # the same expected tokens (prefix probabilities already count the silent steps as rejected)
+    prefix = [0.25, 0.2, 0.15, 0.1]
+    steep = StepCosts(1.0, 0.0, [1.0 + 0.3 * k for k in range(9)])
+    assert predicted_speedup(prefix, 4, half) > 1.0 > predicted_speedup(prefix, 4, steep)
+    assert best_draft_len(prefix, half, 1, 4).draft_len > 0

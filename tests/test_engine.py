@@ -48,6 +48,7 @@ class ScriptedDrafter:
     positions replaced by a wrong token; records every commit."""
 
     needs_hidden_states: ClassVar[bool] = False
+    cheap: ClassVar[bool] = True
 
     def __init__(self, name: str, prompt: list[int], reference: list[int], wrong_at: set[int]) -> None:
         self.name = name
@@ -218,6 +219,39 @@ def test_scripted_mistakes_give_exact_acceptance(engine: SpecEngine, prompts: li
     assert [s.num_accepted for s in result.steps[:4]] == [2, 0, 4, 0]  # positions 0-2, 3, 4-8, 9
     assert scripted.commits == [(s.num_emitted, s.num_accepted) for s in result.steps]
     assert scripted.num_begin == scripted.num_end == 1  # state released when the request ends
+
+
+@pytest.mark.parametrize("drafter, k", [(PLAIN, 0), ("scripted", 2), ("perturbed", 3)])
+def test_shadow_scores_are_exact_and_change_nothing(
+    engine: SpecEngine, prompts: list[list[int]], drafter: str, k: int,
+) -> None:
+    """A shadow drafter is scored on the tokens the target emitted: accepted up to its first
+    mistake, every proposal scored once, and the output stays plain decoding's. When it is the
+    drafter that runs, only the positions past its real draft are scored."""
+    prompt = prompts[1]
+    reference = plain(engine, prompt).token_ids
+    wrong_at = {2, 3, 9, 20}
+    scripted = ScriptedDrafter("scripted", prompt, reference, wrong_at)
+    eng = with_drafters(engine, scripted=scripted)
+    gen = eng.start(prompt, greedy())
+    while not gen.finished:
+        gen.step(drafter, k, shadow=["scripted"])
+    result = gen.result()
+    gen.close()
+    assert_same_output(result, plain(engine, prompt))
+    scores = [score for s in result.steps for score in s.shadows]
+    assert sorted(score.context_len for score in scores) == [s.context_len for s in result.steps]
+    limit = eng.config.max_draft_len
+    for score in scores:
+        pos = score.context_len - len(prompt)
+        known = min(limit, len(reference) - pos)
+        first_wrong = min([i - pos for i in wrong_at if pos <= i < pos + known] + [known])
+        assert score.num_accepted == first_wrong
+        assert score.num_proposed == (known if first_wrong == known else min(limit, len(reference) - pos))
+        real = next(s for s in result.steps if s.context_len == score.context_len)
+        assert score.start == (real.num_draft_tokens if real.drafter == "scripted" else 0)
+    if drafter == "scripted":
+        assert any(score.start == 2 and score.num_accepted > 2 for score in scores)  # tails are scored
 
 
 def test_one_token_prompt(engine: SpecEngine) -> None:

@@ -22,11 +22,16 @@ import redis
 
 from policies.records import (
     CONTEXT_BUCKETS,
+    LATENCY_BUCKETS_S,
     PLAIN,
     AcceptanceCounts,
+    Histogram,
+    RequestRecord,
+    ShadowRecord,
     StatsSnapshot,
     StepRecord,
     context_bucket,
+    latency_bucket,
 )
 from policies.stats import MemoryStats, RedisStats, StatsStore, make_stats_store
 
@@ -112,14 +117,57 @@ def test_counts_and_acceptance_by_position(backend: Backend) -> None:
     snap = store.snapshot()
     assert snap.counts("code", "ngram") == AcceptanceCounts(
         num_steps=3, num_drafts=2, num_draft_tokens=7, num_accepted_tokens=5,
-        drafted_per_position=(2, 2, 2, 1), accepted_per_position=(2, 2, 1),
+        drafted_per_position=(2, 2, 2, 1), accepted_per_position=(2, 2, 1), num_emitted_tokens=8, step_s=2.25,
     )
     assert snap.acceptance_by_position("code", "ngram") == [1.0, 1.0, 0.5, 0.0]
     assert snap.acceptance_by_position("math", "ngram") == [0.0, 0.0]
-    assert snap.counts("code", PLAIN) == AcceptanceCounts(num_steps=1)
+    assert snap.counts("code", PLAIN) == AcceptanceCounts(num_steps=1, num_emitted_tokens=1, step_s=0.5)
     assert snap.counts("chat", "ngram") == AcceptanceCounts()
     assert snap.domains() == ["code", "math"] and snap.drafters("code") == ["ngram", PLAIN]
     assert not snap.degraded and snap.window_s is None
+
+
+def test_shadow_scores_are_kept_apart_and_added_as_evidence(backend: Backend) -> None:
+    store = backend.new()
+    store.record(step(k=2, accepted=2))  # a real draft of positions 0, 1
+    store.record_many([
+        ShadowRecord("code", "ngram", context_len=100, start=2, num_proposed=5, num_accepted=3),  # its tail
+        ShadowRecord("code", "ngram", context_len=100, start=0, num_proposed=4, num_accepted=1),  # a plain step
+        ShadowRecord("code", "ngram", context_len=100, start=0, num_proposed=0, num_accepted=0),  # no match
+    ])
+    snap = store.snapshot()
+    assert snap.counts("code", "ngram").drafted_per_position == (1, 1)  # metrics see real drafts only
+    assert snap.shadow_counts("code", "ngram") == AcceptanceCounts(
+        num_steps=2, num_drafts=1, drafted_per_position=(1, 1, 2, 2, 1), accepted_per_position=(1, 0, 1))
+    evidence = snap.evidence("code", "ngram")
+    assert (evidence.num_steps, evidence.num_drafts) == (3, 2)
+    assert evidence.drafted_per_position == (2, 2, 2, 2, 1) and evidence.accepted_per_position == (2, 1, 1)
+    with pytest.raises(ValueError):
+        ShadowRecord("code", "ngram", context_len=1, start=3, num_proposed=2, num_accepted=0)
+
+
+def test_requests_decisions_fallbacks_and_histograms(backend: Backend) -> None:
+    store = backend.new()
+    store.record_many([
+        RequestRecord("code", "ngram", "best", ttft_s=0.0625, e2e_s=1.5),
+        RequestRecord("code", "ngram", "best", ttft_s=0.0625, e2e_s=2.5, fallbacks=("low_speedup",)),
+        RequestRecord("chat", PLAIN, "fallback", ttft_s=0.125, e2e_s=3.0, fallbacks=("low_speedup", "drafter_error")),
+        step(k=3, accepted=1, draft_s=0.25, verify_s=0.5),  # 2 tokens in 0.75 s: 2 itl samples of 0.375
+    ])
+    snap = store.snapshot(window_s=60)
+    assert snap.decisions == {("code", "ngram", "best"): 2, ("chat", PLAIN, "fallback"): 1}
+    assert snap.fallbacks == {("code", "low_speedup"): 1, ("chat", "low_speedup"): 1, ("chat", "drafter_error"): 1}
+    ttft = snap.histogram("ttft")
+    assert ttft.count == 3 and ttft.sum_s == 0.25
+    assert ttft.counts[latency_bucket(0.0625)] == 2 and sum(ttft.counts[: latency_bucket(0.0625)]) == 0
+    assert snap.histogram("e2e").sum_s == 7.0
+    itl = snap.histogram("itl")
+    assert itl.count == 2 and itl.sum_s == 0.75 and itl.counts[latency_bucket(0.375)] == 2
+    assert snap.histogram("draft", "ngram").count == 1 and snap.histogram("verify", "3").sum_s == 0.5
+    assert snap.histogram("draft", "eagle") == Histogram()
+    assert latency_bucket(1e9) == len(LATENCY_BUCKETS_S) and latency_bucket(0.0) == 0
+    with pytest.raises(ValueError):
+        RequestRecord("code", "ngram", "best", ttft_s=2.0, e2e_s=1.0)
 
 
 def test_cost_means(backend: Backend) -> None:
@@ -259,7 +307,8 @@ def test_concurrent_writers_exact_totals(backend: Backend) -> None:
         assert snap.counts(domain, "ngram") == AcceptanceCounts(
             num_steps=2 * per_domain, num_drafts=2 * per_domain, num_draft_tokens=4 * per_domain,
             num_accepted_tokens=3 * per_domain, drafted_per_position=(2 * per_domain, per_domain, per_domain),
-            accepted_per_position=(2 * per_domain, per_domain))
+            accepted_per_position=(2 * per_domain, per_domain), num_emitted_tokens=5 * per_domain,
+            step_s=1.5 * per_domain)
     assert snap.counts("code", PLAIN).num_steps == num_threads * num_rounds
     assert snap.plain_step_s().count == num_threads * num_rounds
     assert snap.verify_s(3).total_s == per_domain * 2 * 0.5
@@ -442,7 +491,8 @@ def test_redis_returns_and_buffered_steps_reconcile(throwaway_redis: ThrowawayRe
             assert not snap.degraded
             assert snap.counts("code", "ngram") == AcceptanceCounts(
                 num_steps=5, num_drafts=5, num_draft_tokens=13, num_accepted_tokens=6,
-                drafted_per_position=(5, 4, 3, 1), accepted_per_position=(4, 1, 1))
+                drafted_per_position=(5, 4, 3, 1), accepted_per_position=(4, 1, 1), num_emitted_tokens=11,
+                    step_s=3.75)
             assert snap.counts("code", PLAIN).num_steps == 1 and snap.counts("math", "ngram").num_steps == 1
     finally:
         store.close()

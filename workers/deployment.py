@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ray import serve
 
-from workers.config import PLAIN, EngineConfig
+from workers.config import EngineConfig, RoutingConfig
 
 if TYPE_CHECKING:
-    from workers.engine import Generation, SpecEngine
+    from workers.engine import SpecEngine
+    from workers.routing import RoutedGeneration, Router
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,13 +47,22 @@ class GenerateRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    drafter: str = PLAIN  # a configured drafter name or PLAIN; "auto" is resolved by the router
-    draft_len: int | None = None  # None: the drafter's static draft_len
+    drafter: str = "auto"  # "auto" (the routing policy decides), PLAIN, or a configured drafter name
+    draft_len: int | None = None  # None: the policy chooses k
+    domain: str | None = None  # None: the policy's classifier decides
 
     @property
     def prompt_param(self) -> str:
         """The request field that carried the prompt, for error messages."""
         return "messages" if isinstance(self.prompt, list) else "prompt"
+
+    @property
+    def text(self) -> str:
+        """What the domain classifier reads: the prompt, or the chat's last user message."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        users = [m.get("content") or "" for m in self.prompt if m.get("role") == "user"]
+        return users[-1] if users else ""
 
 
 @dataclass(frozen=True)
@@ -65,12 +75,17 @@ class FinalStats:
     num_draft_tokens: int
     num_accepted_tokens: int
     accepted_per_position: list[int]
-    drafter: str  # the drafter asked for (PLAIN for plain decoding)
-    draft_len: int  # the static k asked for
+    drafter: str  # the plan's drafter (PLAIN for plain decoding)
+    draft_len: int  # the plan's k (0 for plain)
     drafters_used: list[str]  # drafters that actually proposed, in order of first use
     fallback_reason: str | None
     prefill_s: float
     wall_s: float
+    domain: str | None = None
+    policy_version: str | None = None
+    reason: str | None = None  # why the plan: best, explore, fallback, policy, forced
+    schedule: list[tuple[str, int, int]] = field(default_factory=list)  # (drafter, k, steps) runs
+    fallbacks: list[str] = field(default_factory=list)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -108,9 +123,7 @@ class InvalidRequest(ValueError):
 class _Slot:
     request: GenerateRequest
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # Chunk | BaseException
-    gen: Generation | None = None
-    drafter: str = PLAIN
-    draft_len: int = 0
+    gen: RoutedGeneration | None = None
     num_sent_ids: int = 0
     sent_text: str = ""
     abandoned: bool = False  # set by the consumer when it stops reading (finished or cancelled)
@@ -120,12 +133,21 @@ class _Slot:
 class TargetWorker:
     """Hosts a SpecEngine; `stream` and `generate` serve GenerateRequests concurrently."""
 
-    def __init__(self, engine_config: dict[str, Any] | EngineConfig) -> None:
-        from workers import engine, sampling  # torch: only where a replica runs
+    def __init__(
+        self, engine_config: dict[str, Any] | EngineConfig,
+        routing_config: dict[str, Any] | RoutingConfig | None = None,
+        stats_url: str | None = None,
+    ) -> None:
+        """`stats_url`: redis:// URL of the statistics shared with other replicas; None: this
+        replica's own, in memory."""
+        from policies.stats import make_stats_store
+        from workers import engine, routing, sampling  # torch: only where a replica runs
 
-        self._engine_mod, self._sampling_mod = engine, sampling
+        self._engine_mod, self._routing_mod, self._sampling_mod = engine, routing, sampling
         self.config = EngineConfig.model_validate(engine_config)
         self.engine: SpecEngine = engine.SpecEngine.from_config(self.config)
+        routing_config = RoutingConfig.model_validate(routing_config or {})
+        self.router: Router = routing.Router.from_config(self.engine, routing_config, make_stats_store(stats_url))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specroute-engine")
         self._pending: deque[_Slot] = deque()
         self._active: list[_Slot] = []
@@ -189,6 +211,7 @@ class TargetWorker:
             if not self._pending and not self._active:
                 self._wake.clear()
                 await self._wake.wait()
+            self.router.reload_if_changed()  # a stat() every few seconds at most
             while self._pending:  # admit: encode + prefill
                 slot = self._pending.popleft()
                 if slot.abandoned:
@@ -240,19 +263,18 @@ class TargetWorker:
             )
         except ValueError as e:  # the ingress checks the same ranges; its message starts with the field
             raise InvalidRequest(str(e), str(e).split(" ", 1)[0]) from None
+        speculation = self._routing_mod.Speculation(r.drafter, r.draft_len, r.domain)
         try:
-            engine.check_request(prompt_ids, params, r.drafter)
+            slot.gen = self.router.start(prompt_ids, params, r.text, speculation)
         except self._engine_mod.RequestError as e:
             param = {"prompt": r.prompt_param, "drafter": "speculation.drafter"}.get(e.param, e.param)
             raise InvalidRequest(str(e), param, e.code) from None
-        slot.drafter = r.drafter
-        slot.draft_len = engine.default_draft_len(r.drafter) if r.draft_len is None else r.draft_len
-        slot.gen = engine.start(prompt_ids, params)
 
     def _step(self, slot: _Slot) -> Chunk:
-        gen = slot.gen
-        assert gen is not None
-        gen.step(slot.drafter, slot.draft_len)
+        routed = slot.gen
+        assert routed is not None
+        routed.step()
+        gen = routed.gen
         output_ids = gen.output_ids
         new_ids = output_ids[slot.num_sent_ids :]
         slot.num_sent_ids = len(output_ids)
@@ -261,8 +283,8 @@ class TargetWorker:
             delta = _safe_delta(text, slot.sent_text, gen.params.stop)
             slot.sent_text += delta
             return Chunk(new_ids, delta)
-        result = gen.result()
-        gen.close()
+        result, report = gen.result(), routed.report()
+        routed.close()
         if not result.text.startswith(slot.sent_text):  # cannot happen with prefix-stable decoding
             log.warning("streamed text is not a prefix of the final text")
         delta = result.text[len(slot.sent_text) :]
@@ -273,19 +295,24 @@ class TargetWorker:
             num_draft_tokens=result.num_draft_tokens,
             num_accepted_tokens=result.num_accepted_tokens,
             accepted_per_position=list(result.accepted_per_position),
-            drafter=slot.drafter,
-            draft_len=slot.draft_len if slot.drafter != PLAIN else 0,
+            drafter=report.drafter,
+            draft_len=report.draft_len,
             drafters_used=list(result.drafters),
-            fallback_reason=next((s.fallback_reason for s in result.steps if s.fallback_reason), None),
+            fallback_reason=report.fallback_reason,
             prefill_s=result.prefill_s,
             wall_s=result.wall_s,
+            domain=report.domain,
+            policy_version=report.policy_version,
+            reason=report.reason,
+            schedule=[(s.drafter, s.draft_len, s.num_steps) for s in report.schedule],
+            fallbacks=list(report.fallbacks),
         )
         return Chunk(new_ids, delta, result.finish_reason, stats)
 
     @staticmethod
     def _close(slot: _Slot) -> None:
         try:
-            if slot.gen is not None and not slot.gen.closed:
+            if slot.gen is not None:
                 slot.gen.close()
         except Exception:
             log.exception("closing a generation failed")

@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
 from workers.config import PLAIN, EngineConfig
-from workers.drafters.base import DraftContext, Drafter
+from workers.drafters.base import Draft, DraftContext, Drafter
 from workers.drafters.registry import build_drafters
 from workers.sampling import SamplingParams, make_generator, probs_from_logits
 from workers.target import LoadedModel, load_model
@@ -49,6 +49,40 @@ class StepStats:
     verify_s: float  # the target forward plus verification
     context_len: int  # tokens before the step
     fallback_reason: str | None = None
+    shadows: tuple[ShadowScore, ...] = ()  # counterfactual scores resolved by this step
+
+
+@dataclass(frozen=True)
+class ShadowScore:
+    """A cheap drafter's proposal at `context_len`, scored against the tokens the target emitted
+    there: the first `num_accepted` of its `num_proposed` tokens matched. Positions below `start`
+    were really drafted (and recorded) by the step itself."""
+
+    drafter: str
+    context_len: int
+    start: int
+    num_proposed: int
+    num_accepted: int
+
+
+@dataclass
+class _PendingShadow:
+    drafter: str
+    context_len: int
+    start: int
+    token_ids: list[int]
+
+    def resolve(self, tokens: list[int], final: bool) -> ShadowScore | None:
+        """The score once the emitted tokens decide it (a mismatch, or every position known);
+        at the end of the request, what is known (later positions are dropped, not guessed)."""
+        known = tokens[self.context_len : self.context_len + len(self.token_ids)]
+        matched = next((i for i, (a, b) in enumerate(zip(known, self.token_ids)) if a != b), None)
+        if matched is not None:
+            return ShadowScore(self.drafter, self.context_len, self.start, len(self.token_ids), matched)
+        if len(known) == len(self.token_ids) or final:
+            n = len(known)
+            return ShadowScore(self.drafter, self.context_len, min(self.start, n), n, n)
+        return None
 
 
 @dataclass
@@ -99,6 +133,7 @@ class Generation:
         self.steps: list[StepStats] = []
         self._drafter_states: dict[str, Any] = {}
         self._broken: set[str] = set()
+        self._pending: list[_PendingShadow] = []
         self._no_draft = torch.empty(0, dtype=torch.long, device=self.device)
         self._t0 = time.perf_counter()
         self._prefill()
@@ -120,9 +155,13 @@ class Generation:
     def num_remaining(self) -> int:
         return self.ctx.max_len - len(self.ctx.token_ids)
 
-    def step(self, drafter: str = PLAIN, k: int = 0) -> StepStats:
+    def step(self, drafter: str = PLAIN, k: int = 0, shadow: Collection[str] = ()) -> StepStats:
         """Propose up to k tokens with `drafter` (PLAIN or k = 0: none), verify, emit.
-        A drafter that raises is dropped for the rest of the request: the step goes on plainly."""
+        A drafter that raises is dropped for the rest of the request: the step goes on plainly.
+
+        Each drafter in `shadow` (cheap ones: proposing costs next to nothing) also proposes
+        max_draft_len tokens here, scored against the tokens the target emits (StepStats.shadows,
+        once decided). For `drafter` itself only the positions past its real draft are scored."""
         if self.finished:
             raise RuntimeError("step() on a finished generation")
         if drafter != PLAIN and drafter not in self.engine.drafters:
@@ -133,16 +172,25 @@ class Generation:
             drafter, fallback = PLAIN, "drafter_error"
         if k == 0:
             drafter = PLAIN
+        context_len = len(self.ctx.token_ids)
+        for name in shadow:
+            if name != drafter:
+                self._shadow(name, context_len, 0)
 
         t0 = time.perf_counter()
         draft = None
         if drafter != PLAIN:
-            draft = self._guard(drafter, lambda impl, state: impl.propose(state, self.ctx, k))
+            ask = self.engine.config.max_draft_len if drafter in shadow else k
+            draft = self._guard(drafter, lambda impl, state: impl.propose(state, self.ctx, ask))
             if draft is None:
                 drafter, fallback = PLAIN, "drafter_error"
+            elif ask > k:  # verify k; the rest is scored like a shadow
+                proposal = draft.token_ids.tolist()
+                if len(proposal) > k:
+                    self._pending.append(_PendingShadow(drafter, context_len, k, proposal))
+                draft = Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
         draft_ids = draft.token_ids.to(self.device) if draft is not None else self._no_draft
         t1 = time.perf_counter()
-        context_len = len(self.ctx.token_ids)
         start = self.cache.length
         out = self.model.forward(torch.cat([self._last_token(), draft_ids]), self.cache)
         result = self._verify(out.logits, draft_ids, draft.probs if draft is not None else None)
@@ -156,6 +204,7 @@ class Generation:
             drafter=drafter, draft_len=k, num_draft_tokens=int(draft_ids.shape[0]),
             num_accepted=result.num_accepted, num_emitted=num_emitted,
             draft_s=t1 - t0, verify_s=t2 - t1, context_len=context_len, fallback_reason=fallback,
+            shadows=self._resolve_shadows(),
         )
         self._record(stats)
         return stats
@@ -200,6 +249,26 @@ class Generation:
         # the last prompt token goes through the ordinary step path: identical numerics to
         # every later step, and the first generated token comes out of `step` like all others
         self.prefill_s = time.perf_counter() - t0
+
+    def _shadow(self, name: str, context_len: int, start: int) -> None:
+        if name in self._broken or name not in self.engine.drafters:
+            return
+        k = self.engine.config.max_draft_len
+        draft = self._guard(name, lambda impl, state: impl.propose(state, self.ctx, k))
+        if draft is not None:
+            self._pending.append(_PendingShadow(name, context_len, start, draft.token_ids.tolist()))
+
+    def _resolve_shadows(self) -> tuple[ShadowScore, ...]:
+        done: list[ShadowScore] = []
+        undecided: list[_PendingShadow] = []
+        for pending in self._pending:
+            score = pending.resolve(self.ctx.token_ids, self.finished)
+            if score is None:
+                undecided.append(pending)
+            else:
+                done.append(score)
+        self._pending = undecided
+        return tuple(done)
 
     def _last_token(self) -> torch.Tensor:
         return torch.tensor(self.ctx.token_ids[-1:], dtype=torch.long, device=self.device)

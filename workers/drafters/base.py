@@ -34,6 +34,9 @@ class DraftContext:
 class Drafter(Protocol):
     name: str
     needs_hidden_states: ClassVar[bool]
+    # proposing costs next to nothing against a target step, so the router may score this
+    # drafter counterfactually on every step, whichever drafter runs
+    cheap: ClassVar[bool]
 
     def begin(self, ctx: DraftContext) -> Any:
         """Per-request state, created when the drafter is first used for a request."""

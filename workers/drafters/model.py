@@ -22,6 +22,7 @@ class ModelDraftState:
 
 class ModelDrafter:
     needs_hidden_states: ClassVar[bool] = False
+    cheap: ClassVar[bool] = False
 
     def __init__(self, config: ModelDrafterConfig, model: CausalLM) -> None:
         self.config = config

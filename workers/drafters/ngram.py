@@ -27,6 +27,7 @@ class NgramState:
 
 class NgramDrafter:
     needs_hidden_states: ClassVar[bool] = False
+    cheap: ClassVar[bool] = True
 
     def __init__(self, config: NgramDrafterConfig) -> None:
         self.config = config

@@ -1,0 +1,282 @@
+"""The router over the engine: routed output is plain decoding's, decisions are reported and
+recorded, requests may force drafter and k, policies swap atomically, faults degrade to plain.
+
+The tiny random target with three drafters (conftest: ngram, `self` = the target, accepts
+everything, `other` = a different random model, accepts little); the shipped policy's routing
+exercised on the real target in test_real_target.py."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from policies.records import PLAIN, StepRecord
+from policies.schema import PolicyError, load_policy
+from policies.selector import FALLBACK, FORCED
+from policies.stats import MemoryStats, RedisStats
+from workers.engine import RequestError, SpecEngine
+from workers.routing import RoutedGeneration, Router, Speculation, generate, measure_costs
+from workers.sampling import SamplingParams
+
+TEXTS = [
+    "Summarize: the quick brown fox jumps over the lazy dog. The quick brown fox is quick.",
+    "Write a poem about the sea and the sky and the sea again.",
+    "def add(a, b):\n    return a + b\n\nExplain this function.",
+]
+
+
+def policy_dict(**domain: Any) -> dict[str, Any]:
+    chat = {"drafters": ["self", "other", "ngram", "none"], "k_min": 1, "k_max": 8, **domain}
+    priors = {"self": 0.6, "other": 0.3, "ngram": 0.4}
+    chat["priors"] = {name: p for name, p in priors.items() if name in chat["drafters"]}
+    return {
+        "version": "test-1",
+        "default_domain": "chat",
+        "domains": {"chat": chat, "summarization": {"drafters": ["ngram", "none"], "k_max": 6},
+                    "plainonly": {"drafters": ["none"]}},
+        "classifier": {"rules": [{"domain": "summarization", "keywords": ["summarize"]}]},
+        "exploration": {"min_samples": 4},
+    }
+
+
+@pytest.fixture()
+def router(tiny_engine: SpecEngine) -> Router:
+    return Router(tiny_engine, load_policy(policy_dict()), MemoryStats(), seed=0)
+
+
+def greedy(max_tokens: int = 32) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens)
+
+
+_plain: dict[str, list[int]] = {}
+
+
+def plain_ids(engine: SpecEngine, text: str, max_tokens: int = 32) -> list[int]:
+    key = f"{max_tokens}:{text}"
+    if key not in _plain:
+        _plain[key] = engine.generate(engine.encode(text), greedy(max_tokens)).token_ids
+    return _plain[key]
+
+
+def run(router: Router, text: str, speculation: Speculation | None = None, max_tokens: int = 32):
+    return generate(router, router.engine.encode(text), greedy(max_tokens), text, speculation or Speculation())
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_routed_output_is_plain_decoding(router: Router, text: str) -> None:
+    for _ in range(3):  # statistics accumulate; later requests are planned from them
+        routed = run(router, text)
+        assert routed.generation.token_ids == plain_ids(router.engine, text)
+
+
+def test_report_and_records(router: Router) -> None:
+    routed = run(router, TEXTS[0])
+    report, result = routed.routing, routed.generation
+    assert (report.domain, report.domain_source, report.policy_version) == ("summarization", "rule", "test-1")
+    assert report.drafter in ("ngram", PLAIN)
+    assert sum(s.num_steps for s in report.schedule) == result.num_steps
+    assert all(s.drafter in ("ngram", PLAIN) for s in report.schedule)  # the domain's drafters only
+    snap = router.store.snapshot()
+    steps = sum(c.num_steps for (d, _, _), c in snap.acceptance.items() if d == "summarization")
+    assert steps == result.num_steps
+    assert sum(n for (d, _, _), n in snap.decisions.items() if d == "summarization") == 1
+    assert snap.histogram("ttft").count == 1 and snap.histogram("e2e").count == 1
+    # ngram is cheap: every step scores it, whichever drafter ran
+    shadow = snap.shadow_counts("summarization", "ngram")
+    assert shadow.num_steps + snap.counts("summarization", "ngram").num_steps >= result.num_steps - 1
+
+
+def test_router_learns_acceptance_and_plans_the_best_predicted_arm(router: Router) -> None:
+    """`self` (the target itself) accepts every token, `other` little: a few requests teach the
+    estimates that, and the plan is the arm with the best predicted speedup unless exploring.
+    (Which arm that is depends on measured costs: `self` costs a target forward per token.)"""
+    for name in ("self", "other", "self", "other"):  # the request names the drafter, the policy picks k
+        assert run(router, TEXTS[1], Speculation(name)).generation.token_ids == plain_ids(router.engine, TEXTS[1])
+    routed = run(router, TEXTS[1])
+    rs = router.start(router.engine.encode(TEXTS[1]), greedy(4), TEXTS[1])
+    rs.close()
+    estimates, arms = rs.plan.estimates, {a.drafter: a for a in rs.plan.arms}
+    # prior 0.6 worth 4 observations; `self` was accepted every time, `other` seldom
+    assert estimates["self"].prefix[0] > 0.85
+    assert estimates["other"].prefix[0] < estimates["self"].prefix[0] - 0.3
+    best = max(arms.values(), key=lambda a: a.predicted_speedup)
+    if rs.plan.reason == "best":
+        assert rs.plan.drafter == best.drafter
+    assert routed.generation.token_ids == plain_ids(router.engine, TEXTS[1])
+
+
+@pytest.mark.parametrize("speculation, expect", [
+    (Speculation(PLAIN), [(PLAIN, 0)]),
+    (Speculation("other", 3), [("other", 3)]),
+    (Speculation(draft_len=0), [(PLAIN, 0)]),
+])
+def test_forced_drafter_and_k(router: Router, speculation: Speculation, expect: list[tuple[str, int]]) -> None:
+    routed = run(router, TEXTS[1], speculation)
+    assert routed.generation.token_ids == plain_ids(router.engine, TEXTS[1])
+    assert [(s.drafter, s.draft_len) for s in routed.routing.schedule] == expect
+    assert routed.routing.reason == FORCED
+
+
+def test_forced_drafter_with_auto_k_never_falls_back(router: Router) -> None:
+    routed = run(router, TEXTS[1], Speculation("other"))
+    assert {s.drafter for s in routed.routing.schedule} == {"other"}
+    assert routed.routing.fallbacks == ()
+
+
+def test_domain_override_and_plain_only_domain(router: Router) -> None:
+    routed = run(router, TEXTS[0], Speculation(domain="plainonly"))
+    assert (routed.routing.domain, routed.routing.domain_source) == ("plainonly", "request")
+    assert [s.drafter for s in routed.routing.schedule] == [PLAIN]
+
+
+@pytest.mark.parametrize("speculation, param", [
+    (Speculation("nope"), "speculation.drafter"),
+    (Speculation(draft_len=99), "speculation.draft_len"),
+    (Speculation(domain="nope"), "speculation.domain"),
+])
+def test_bad_speculation_names_the_field(router: Router, speculation: Speculation, param: str) -> None:
+    with pytest.raises(RequestError) as e:
+        run(router, TEXTS[0], speculation)
+    assert e.value.param == param
+    assert router.store.snapshot().decisions == {}  # refused requests record nothing
+
+
+def test_policy_swap_is_atomic_and_validated(router: Router, tmp_path: Path) -> None:
+    started = router.start(router.engine.encode(TEXTS[1]), greedy(8), TEXTS[1])
+    new = policy_dict()
+    new["version"] = "test-2"
+    assert router.set_policy(load_policy(new)).version == "test-2"
+    for bad, needle in [
+        ("version: [", "not valid YAML"),
+        ({**new, "default_domain": "nope"}, "default_domain"),
+        ({**policy_dict(drafters=["eagle", "none"]), "version": "x"}, "eagle"),
+        ({**new, "classifier": {"model": str(tmp_path / "missing")}}, "classifier.model"),
+    ]:
+        with pytest.raises(PolicyError, match=needle):
+            router.set_policy(bad if isinstance(bad, str) else load_policy(bad))
+        assert router.policy.version == "test-2"  # the running policy stays
+    try:
+        while not started.finished:
+            started.step()
+        assert started.report().policy_version == "test-1"  # a request keeps its policy
+    finally:
+        started.close()
+    assert run(router, TEXTS[1]).routing.policy_version == "test-2"
+
+
+class Exploding:
+    """Wraps a drafter; raises on the n-th proposal."""
+
+    def __init__(self, inner: Any, fail_on: int) -> None:
+        self.inner, self.fail_on, self.calls = inner, fail_on, 0
+        self.name, self.config, self.cheap = inner.name, inner.config, inner.cheap
+        self.needs_hidden_states = inner.needs_hidden_states
+
+    def begin(self, ctx: Any) -> Any:
+        return self.inner.begin(ctx)
+
+    def propose(self, state: Any, ctx: Any, k: int) -> Any:
+        self.calls += 1
+        if self.calls >= self.fail_on:
+            raise RuntimeError("injected")
+        return self.inner.propose(state, ctx, k)
+
+    def commit(self, *args: Any) -> None:
+        self.inner.commit(*args)
+
+    def end(self, state: Any) -> None:
+        self.inner.end(state)
+
+
+def test_failing_drafter_degrades_to_plain(tiny_engine: SpecEngine) -> None:
+    drafters = {**tiny_engine.drafters, "self": Exploding(tiny_engine.drafters["self"], fail_on=3)}
+    engine = SpecEngine(tiny_engine.target, drafters, tiny_engine.config)
+    router = Router(engine, load_policy(policy_dict(drafters=["self", "none"])), MemoryStats())
+    routed = run(router, TEXTS[1], Speculation("self", 4))
+    assert routed.generation.token_ids == plain_ids(tiny_engine, TEXTS[1])
+    assert routed.routing.fallbacks == ("drafter_error",)
+    assert router.store.snapshot().fallbacks == {("chat", "drafter_error"): 1}
+
+
+def test_dead_redis_never_fails_a_request(tiny_engine: SpecEngine) -> None:
+    store = RedisStats("redis://127.0.0.1:1/0", timeout_s=0.05)
+    router = Router(tiny_engine, load_policy(policy_dict()), store)
+    routed = run(router, TEXTS[1])
+    assert routed.generation.token_ids == plain_ids(tiny_engine, TEXTS[1])
+    health = store.health()
+    assert not health.connected and health.num_pending_local > 0 and health.num_errors > 0
+    store.close()
+
+
+def test_plan_falls_back_when_every_drafter_loses(tiny_engine: SpecEngine) -> None:
+    """Statistics in which the only drafter never gets a token accepted: the plan is plain."""
+    store = MemoryStats()
+    store.record_many([StepRecord("chat", "other", 4, 4, 0, draft_s=0.01, verify_s=0.02, context_len=30)] * 200)
+    router = Router(tiny_engine, load_policy(policy_dict(drafters=["other", "none"])), store)
+    routed = run(router, TEXTS[1])
+    assert routed.routing.reason == FALLBACK and routed.routing.drafter == PLAIN
+    assert routed.routing.fallbacks == ("low_speedup",)
+
+
+def test_unfinished_request_still_records(router: Router) -> None:
+    routed: RoutedGeneration = router.start(router.engine.encode(TEXTS[1]), greedy(32), TEXTS[1])
+    for _ in range(3):
+        routed.step()
+    routed.close()  # the client went away
+    snap = router.store.snapshot()
+    assert sum(c.num_steps for c in snap.acceptance.values()) == 3
+
+
+def test_measure_costs(tiny_engine: SpecEngine) -> None:
+    costs = measure_costs(tiny_engine, context_len=16, repeats=1)
+    assert len(costs.verify_s) == tiny_engine.config.max_draft_len + 1
+    assert all(t > 0 for t in costs.verify_s)
+    assert costs.plain_s == costs.verify_s[0]
+
+
+def test_decisions_are_reproducible(tiny_engine: SpecEngine) -> None:
+    """Same seed, same request order, same statistics: the same plans (Thompson draws included)."""
+    policy = policy_dict()
+    policy["exploration"] = {"method": "thompson", "min_samples": 4}
+
+    def plans() -> list[tuple[str, int]]:
+        router = Router(tiny_engine, load_policy(policy), MemoryStats(), seed=7)
+        out = []
+        for text in TEXTS:
+            r = router.start(tiny_engine.encode(text), greedy(4), text)
+            out.append((r.plan.drafter, r.plan.draft_len))
+            r.close()
+        return out
+
+    assert plans() == plans()
+    random.seed(1)  # the global RNG plays no part
+    assert plans() == plans()
+
+
+
+def test_watched_policy_file_reloads_and_a_bad_one_is_refused(router: Router, tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+
+    def write(data: dict[str, Any] | str, mtime_ns: int) -> None:
+        path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+        os.utime(path, ns=(mtime_ns, mtime_ns))  # distinct mtimes, whatever the filesystem's resolution
+
+    write(policy_dict(), 1_000_000_000)
+    router.watch(path, every_s=5.0)
+    assert not router.reload_if_changed(now=100.0)  # unchanged
+    write({**policy_dict(), "version": "test-2"}, 2_000_000_000)
+    assert not router.reload_if_changed(now=101.0)  # checked less than every_s ago: not yet
+    assert router.reload_if_changed(now=106.0) and router.policy.version == "test-2"
+    write("version: [broken", 3_000_000_000)
+    assert not router.reload_if_changed(now=112.0)
+    assert router.policy.version == "test-2"  # the running policy stays
+    assert run(router, TEXTS[1]).routing.policy_version == "test-2"
+    write({**policy_dict(), "version": "test-3"}, 4_000_000_000)
+    assert router.reload_if_changed(now=118.0) and router.policy.version == "test-3"
+    path.unlink()  # a vanished file is a change that fails to load: the policy stays
+    assert not router.reload_if_changed(now=124.0) and router.policy.version == "test-3"
