@@ -106,25 +106,29 @@ class Acceptance:
 
     def update(self, counts: AcceptanceCounts) -> Acceptance:
         """The posterior after `counts`: per position, (observed accepted + weight * prior) /
-        (observed drafted + weight), with proposals scaled by how often the drafter proposes. The
+        (asked steps behind the position + weight). The
         prior at position i is the posterior at i - 1 times this estimate's conditional rate
         prefix[i] / prefix[i - 1], so a position not yet drafted follows what the earlier ones
         showed instead of staying at its absolute prior (which would pin k where it started)."""
         if counts.num_steps == 0 and not counts.drafted_per_position:
             return self
-        # shadow tails add position counts without steps; a drafter asked and silent proposes less
-        proposes = counts.num_drafts / counts.num_steps if counts.num_steps else 1.0
+        # A step asked for a draft is one observation of "proposed and accepted up to i". Steps
+        # that proposed are counted per position (drafted[i]); those that stayed silent only in
+        # total, so each proposal at i stands for steps / drafts asked steps. (Shadow tails add
+        # position counts without steps: they share the rate of the steps that did count.)
+        steps_per_draft = counts.num_steps / counts.num_drafts if counts.num_drafts else 1.0
         drafted, accepted = counts.drafted_per_position, counts.accepted_per_position
         prefix, weight, floor = [], [], 1.0
         for i, (p, w) in enumerate(zip(self.prefix, self.weight)):
             d = drafted[i] if i < len(drafted) else 0
             a = accepted[i] if i < len(accepted) else 0
+            n = d * steps_per_draft if counts.num_drafts else counts.num_steps  # asked steps behind i
             before = self.prefix[i - 1] if i else 1.0
             p = floor * p / before if before > 0 else p  # the prior's conditional rate, on the posterior so far
-            q = (proposes * a + w * p) / (d + w) if d + w > 0 else p
+            q = (a + w * p) / (n + w) if n + w > 0 else p
             floor = min(floor, q)  # P(first i + 1 accepted) cannot exceed P(first i accepted)
             prefix.append(floor)
-            weight.append(d + w)
+            weight.append(n + w)
         steps = self.proposes_weight + counts.num_steps
         rate = (self.proposes * self.proposes_weight + counts.num_drafts) / steps if steps else self.proposes
         return Acceptance(tuple(prefix), tuple(weight), min(1.0, rate), steps)
@@ -371,3 +375,43 @@ class StepController:
     def observe_shadow(self, drafter: str, start: int, num_proposed: int, num_accepted: int) -> None:
         if drafter in self._local:
             self._local[drafter].add(start, num_proposed, num_accepted)
+
+
+# -- reporting -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ArmOutlook:
+    """What the policy expects of one (domain, drafter) now, for metrics and dashboards."""
+
+    domain: str
+    drafter: str
+    draft_len: int  # best k by the estimate (0: it cannot beat plain)
+    predicted_speedup: float
+    acceptance: tuple[float, ...]  # the estimate's prefix probabilities, first k_max positions
+
+
+def outlook(snapshot: StatsSnapshot, policy: Policy, prior_costs: CostTable | None = None,
+            drafters: Iterable[str] | None = None) -> list[ArmOutlook]:
+    """The estimate `decide` ranks by, without exploration, for every domain and drafter of the
+    policy (that the engine has, when `drafters` is given), over all context lengths."""
+    have = None if drafters is None else set(drafters)
+    out = []
+    for domain, dp in policy.domains.items():
+        names = [d for d in dp.drafters if d != PLAIN and (have is None or d in have)]
+        costs = cost_table(snapshot, context_bucket(0), prior_costs, names)
+        for name in names:
+            est = prior_acceptance(dp, name, policy.exploration.min_samples).update(snapshot.evidence(domain, name))
+            best = best_draft_len(est.prefix, costs.for_drafter(name, est.proposes), dp.k_min, dp.k_max)
+            out.append(ArmOutlook(domain, name, best.draft_len, best.speedup, est.prefix[: dp.k_max]))
+    return out
+
+
+def measured_speedup(snapshot: StatsSnapshot, domain: str) -> float | None:
+    """What drafting really bought a domain: emitted tokens per step second, over plain decoding's
+    tokens per second (the measured plain step). None before both are measured."""
+    counts = [c for (d, _, _), c in snapshot.acceptance.items() if d == domain]
+    step_s = sum(c.step_s for c in counts)
+    plain_s = snapshot.mean_plain_step_s()
+    if not step_s or not plain_s:
+        return None
+    return sum(c.num_emitted_tokens for c in counts) * plain_s / step_s

@@ -100,3 +100,21 @@ def test_invalid_config_names_the_field(tmp_path: Path) -> None:
     assert_user_error(proc, "max_model_len", str(config))
     proc = specroute("generate", "--prompt", PROMPT, "--config", str(tmp_path / "missing.yaml"))
     assert_user_error(proc, "missing.yaml")
+
+
+def test_generate_auto_routes_and_reports_the_decision(plain_json: dict) -> None:
+    out = generate_json()  # --drafter auto is the default
+    assert out["token_ids"] == plain_json["token_ids"]  # routing never changes greedy output
+    assert out["domain"] in ("chat", "code", "math", "rag", "summarization", "translation")
+    assert out["policy_version"] == "default-1" and out["reason"] in ("best", "explore", "fallback")
+    assert sum(steps for _, _, steps in out["schedule"]) == out["num_steps"]
+    assert {drafter for drafter, _, _ in out["schedule"]} <= {"ngram", "none"}
+
+
+def test_generate_with_a_bad_policy_file(tmp_path: Path) -> None:
+    bad = tmp_path / "policy.yaml"
+    bad.write_text("version: 1\ndefault_domain: chat\ndomains: {chat: {drafters: [ngram], k_max: 99}}\n")
+    proc = specroute("generate", "--prompt", PROMPT, "--policy", str(bad))
+    assert_user_error(proc, "domains.chat.k_max", "99")
+    proc = specroute("generate", "--prompt", PROMPT, "--policy", str(tmp_path / "missing.yaml"))
+    assert_user_error(proc, "--policy", "missing.yaml")

@@ -42,6 +42,8 @@ from policies.selector import (
     decide,
     evidence,
     forced_plan,
+    measured_speedup,
+    outlook,
 )
 from policies.stats import MemoryStats
 
@@ -731,3 +733,22 @@ def test_k_reaches_k_max_across_requests(method: str) -> None:
     at_max = first_index(range(len(ks)), lambda i: all(k == 8 for k in ks[i:]))
     assert at_max is not None and at_max <= 12, ks
     assert efficiency(requests[-10:]) >= 0.95
+
+
+def test_outlook_and_measured_speedup() -> None:
+    """The reporting view: one outlook per (domain, drafter) of the policy; measured speedup is
+    emitted tokens x plain step seconds / step seconds."""
+    policy = load_policy({"version": "1", "default_domain": "a",
+                          "domains": {"a": {"drafters": ["x", "none"], "k_max": 4, "priors": {"x": 0.9}},
+                                      "b": {"drafters": ["none"]}}})
+    store = MemoryStats()
+    store.record_many([StepRecord("a", "x", 4, 4, 3, draft_s=0.0, verify_s=1.5, context_len=10)] * 4
+                      + [StepRecord("a", PLAIN, 0, 0, 0, draft_s=0.0, verify_s=1.0, context_len=10)] * 4)
+    snap = store.snapshot()
+    (arm,) = outlook(snap, policy)
+    assert (arm.domain, arm.drafter, len(arm.acceptance)) == ("a", "x", 4)
+    assert arm.draft_len > 0 and arm.predicted_speedup > 1.0
+    assert outlook(snap, policy, drafters=[]) == []
+    # 4 x-steps emit 4 tokens each in 1.5 s, 4 plain steps 1 token in 1 s: 20 tokens in 10 s, plain 1 token/s
+    assert measured_speedup(snap, "a") == pytest.approx(2.0)
+    assert measured_speedup(snap, "b") is None

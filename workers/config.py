@@ -110,4 +110,10 @@ class RoutingConfig(_Strict):
     )
 
     def policy_path(self) -> Path:
-        return self.policy or DEFAULT_POLICY_PATH
+        """The policy file: absolute, relative to the working directory if it exists there, else
+        relative to the repository (a Ray replica's working directory is not the caller's)."""
+        if self.policy is None:
+            return DEFAULT_POLICY_PATH
+        if self.policy.is_absolute() or self.policy.exists():
+            return self.policy
+        return DEFAULT_POLICY_PATH.parents[1] / self.policy
