@@ -79,12 +79,14 @@ def compare_backends(fast: FastLlama, hf: HFCausalLM, ids: torch.Tensor) -> None
         for out in (out_fast, out_hf):
             assert_logits_close(out.hidden.float() @ lm_head.T, out.logits)
     assert caches[0].length == caches[1].length == len(ids)
-    # last_only returns the last row only, equal to the full forward's last row
+    # last_only returns the last row of logits only, equal to the full forward's last row; the
+    # hidden states stay every position's (a feature drafter reads the prompt's at prefill)
     c_fast, c_hf = fast.new_cache(len(ids)), hf.new_cache(len(ids))
     last_fast = fast.forward(ids, c_fast, last_only=True, return_hidden=True)
     last_hf = hf.forward(ids, c_hf, last_only=True, return_hidden=True)
     assert last_fast.logits.shape == last_hf.logits.shape == (1, fast.info.vocab_size)
-    assert last_fast.hidden.shape == last_hf.hidden.shape == (1, fast.info.hidden_size)
+    assert last_fast.hidden.shape == last_hf.hidden.shape == (len(ids), fast.info.hidden_size)
+    assert_logits_close(last_fast.hidden.float() @ lm_head.T, fast.forward(ids, fast.new_cache(len(ids))).logits)
     assert_logits_close(last_fast.logits, last_hf.logits)
     assert_logits_close(last_fast.logits, out_fast.logits[-1:])
 

@@ -78,7 +78,19 @@ class ModelDrafterConfig(_Strict):
     draft_len: int = Field(4, ge=1, description="static k when the policy does not choose one")
 
 
-DrafterConfig = Annotated[NgramDrafterConfig | ModelDrafterConfig, Field(discriminator="kind")]
+class EagleDrafterConfig(_Strict):
+    kind: Literal["eagle"] = "eagle"
+    name: str = "eagle"
+    path: str = Field(description="EAGLE checkpoint folder (config.json + model.safetensors); relative: to the "
+                                  "working directory if it exists there, else to the repository")
+    draft_len: int = Field(4, ge=1, description="static k when the policy does not choose one")
+
+    def resolved_path(self) -> Path:
+        p = Path(self.path)
+        return p if p.is_absolute() or p.exists() else Path(__file__).resolve().parents[1] / p
+
+
+DrafterConfig = Annotated[NgramDrafterConfig | ModelDrafterConfig | EagleDrafterConfig, Field(discriminator="kind")]
 
 
 class EngineConfig(_Strict):

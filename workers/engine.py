@@ -125,6 +125,10 @@ class Generation:
         self.num_prompt = len(prompt_ids)
         max_len = len(prompt_ids) + params.max_tokens
         self.ctx = DraftContext(list(prompt_ids), params, make_generator(params.seed, self.device), max_len)
+        self.with_hidden = engine.needs_hidden_states
+        if self.with_hidden:
+            dtype = getattr(self.model, "dtype", torch.float32)
+            self.ctx.features = torch.empty(max_len, self.model.info.hidden_size, dtype=dtype, device=self.device)
         self.cache = self.model.new_cache(max_len)
         self.stop_ids = set() if params.ignore_eos else set(self.model.info.eos_token_ids)
         self.stop_ids |= params.extra_stop_token_ids
@@ -192,9 +196,12 @@ class Generation:
         draft_ids = draft.token_ids.to(self.device) if draft is not None else self._no_draft
         t1 = time.perf_counter()
         start = self.cache.length
-        out = self.model.forward(torch.cat([self._last_token(), draft_ids]), self.cache)
+        out = self.model.forward(torch.cat([self._last_token(), draft_ids]), self.cache, return_hidden=self.with_hidden)
         result = self._verify(out.logits, draft_ids, draft.probs if draft is not None else None)
         self.cache.truncate(start + 1 + result.num_accepted)  # keep [last + accepted]
+        if out.hidden is not None:  # the kept inputs' features: positions context_len - 1 onwards
+            kept = result.num_accepted + 1
+            self.ctx.features[context_len - 1 : context_len - 1 + kept] = out.hidden[:kept]
         t2 = time.perf_counter()
 
         num_emitted = self._emit(result.token_ids)
@@ -245,7 +252,9 @@ class Generation:
         t0 = time.perf_counter()
         prompt = torch.tensor(self.ctx.token_ids[:-1], dtype=torch.long, device=self.device)
         if prompt.numel():
-            self.model.forward(prompt, self.cache, last_only=True)
+            out = self.model.forward(prompt, self.cache, last_only=True, return_hidden=self.with_hidden)
+            if out.hidden is not None:
+                self.ctx.features[: prompt.numel()] = out.hidden
         # the last prompt token goes through the ordinary step path: identical numerics to
         # every later step, and the first generated token comes out of `step` like all others
         self.prefill_s = time.perf_counter() - t0
@@ -333,6 +342,8 @@ class SpecEngine:
         self.drafters = drafters
         self.config = config
         self.max_model_len = min(config.target.max_model_len, target.model.info.max_position)
+        # the target's hidden states are kept per request only when some drafter reads them
+        self.needs_hidden_states = any(d.needs_hidden_states for d in drafters.values())
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> SpecEngine:

@@ -29,6 +29,9 @@ class DraftContext:
     params: SamplingParams
     generator: torch.Generator
     max_len: int  # the longest token_ids can grow in this request: prompt + max_tokens
+    # [max_len, hidden] the target's final hidden state at each position, filled for every token
+    # but the newest (its forward has not run yet); None unless a drafter needs_hidden_states
+    features: torch.Tensor | None = None
 
 
 class Drafter(Protocol):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from workers.config import DrafterConfig, ModelDrafterConfig, NgramDrafterConfig
+from workers.config import DrafterConfig, EagleDrafterConfig, ModelDrafterConfig, NgramDrafterConfig
 from workers.drafters.base import Drafter
+from workers.drafters.eagle import CheckpointError, EagleDrafter, EagleNet
 from workers.drafters.model import ModelDrafter
 from workers.drafters.ngram import NgramDrafter
+from workers.models.llama import FastLlama
 from workers.target import LoadedModel, ModelLoadError, load_model
 
-DRAFTER_KINDS = ("ngram", "model")
+DRAFTER_KINDS = ("ngram", "model", "eagle")
 
 
 def _build_model_drafter(config: ModelDrafterConfig, target: LoadedModel) -> ModelDrafter:
@@ -23,11 +25,25 @@ def _build_model_drafter(config: ModelDrafterConfig, target: LoadedModel) -> Mod
     return ModelDrafter(config, loaded.model)
 
 
+def _build_eagle_drafter(config: EagleDrafterConfig, target: LoadedModel) -> EagleDrafter:
+    model = target.model
+    if not isinstance(model, FastLlama):
+        raise ModelLoadError(f"drafter {config.name!r}: EAGLE drafts over the target's embeddings and rope tables, "
+                             "which needs the fast Llama backend (target backend: fast or auto)")
+    try:
+        net = EagleNet.load(config.resolved_path(), model.info.hidden_size, model.info.vocab_size)
+    except CheckpointError as e:
+        raise ModelLoadError(f"drafter {config.name!r}: {e}") from None
+    return EagleDrafter(config, net.to(device=model.device, dtype=model.dtype), model)
+
+
 def build_drafter(config: DrafterConfig, target: LoadedModel) -> Drafter:
     if isinstance(config, NgramDrafterConfig):
         return NgramDrafter(config)
     if isinstance(config, ModelDrafterConfig):
         return _build_model_drafter(config, target)
+    if isinstance(config, EagleDrafterConfig):
+        return _build_eagle_drafter(config, target)
     raise TypeError(f"unknown drafter config {type(config).__name__}")
 
 

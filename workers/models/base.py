@@ -24,7 +24,8 @@ class ModelInfo:
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [n, vocab] float32, for the positions asked for
-    hidden: torch.Tensor | None = None  # [n, hidden], final-norm hidden states, when asked for
+    # [n, hidden] final-norm hidden states of every new position (even with last_only), when asked for
+    hidden: torch.Tensor | None = None
 
 
 class KVCache(Protocol):

@@ -64,5 +64,5 @@ class HFCausalLM:
         )
         hidden = None
         if return_hidden:
-            hidden = out.hidden_states[-1][0, -1:] if last_only else out.hidden_states[-1][0]
+            hidden = out.hidden_states[-1][0]  # every position, as FastLlama
         return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)

@@ -180,8 +180,8 @@ class FastLlama:
             x = x + layer.down(F.silu(gate) * up)
         cache._length = end
 
+        if return_hidden:  # every position's hidden state; logits still only where asked
+            hidden = F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps)
+            return ForwardOutput(logits=self.lm_head(hidden[-1:] if last_only else hidden).float(), hidden=hidden)
         h = F.rms_norm(x[-1:] if last_only else x, x.shape[-1:], self.final_norm, self.eps)
-        return ForwardOutput(
-            logits=self.lm_head(h).float(),
-            hidden=h if return_hidden else None,
-        )
+        return ForwardOutput(logits=self.lm_head(h).float())

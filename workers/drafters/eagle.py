@@ -1,0 +1,276 @@
+"""EAGLE-1 feature drafter: one decoder layer that autoregresses on the target's features.
+
+Input at position t is fc(concat(embed(x_{t+1}), f_t)): the target's final hidden state at t and
+the token that followed it (the token shifted one step, which settles the feature's
+uncertainty). The layer predicts f_{t+1}; the target's lm_head (here, optionally, its rows for
+a reduced draft vocabulary, as EAGLE-3 and FR-Spec do) turns that into the next token. Drafting
+feeds its own predicted features back for k tokens.
+
+Checkpoints use the official EAGLE layout, so heads trained elsewhere load as they are:
+`config.json` (Llama fields: hidden_size, num_attention_heads, num_key_value_heads,
+intermediate_size, rms_norm_eps, vocab_size, bias) and weights under `fc.*`, `layers.0.self_attn.*`,
+`layers.0.mlp.*`, `layers.0.post_attention_layernorm.weight` (layer 0 has no input norm). SpecRoute's
+additions, both optional: `lm_head.weight` [draft_vocab, hidden] with `draft_vocab` (the token id
+of each row). Weights load from safetensors only: a pickle can run code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from workers.drafters.base import Draft, DraftContext
+from workers.sampling import probs_from_logits
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.safetensors")
+
+
+class CheckpointError(ValueError):
+    """A drafter checkpoint that cannot serve this target; the message names the file or sizes."""
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary
+    rms_norm_eps: float = 1e-5
+    bias: bool = True  # fc has a bias (EAGLE-1's default)
+    draft_vocab_size: int | None = None  # rows of the reduced lm_head; None: the target's lm_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EagleConfig:
+        required = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+        missing = [f for f in required if f not in data]
+        if missing:
+            raise CheckpointError(f"config.json lacks {', '.join(missing)}")
+        return cls(
+            hidden_size=int(data["hidden_size"]), num_attention_heads=int(data["num_attention_heads"]),
+            num_key_value_heads=int(data.get("num_key_value_heads", data["num_attention_heads"])),
+            intermediate_size=int(data["intermediate_size"]), vocab_size=int(data["vocab_size"]),
+            rms_norm_eps=float(data.get("rms_norm_eps", 1e-5)), bias=bool(data.get("bias", True)),
+            draft_vocab_size=data.get("draft_vocab_size"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"architectures": ["EagleLlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+                "hidden_act": "silu", **asdict(self)}
+
+
+class EagleLayer(nn.Module):
+    """A Llama decoder layer without the input norm (EAGLE-1's layer 0)."""
+
+    def __init__(self, cfg: EagleConfig) -> None:
+        super().__init__()
+        h, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.nh, self.nkv, self.d = nh, nkv, d
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(h, nh * d, bias=False)
+        self.self_attn.k_proj = nn.Linear(h, nkv * d, bias=False)
+        self.self_attn.v_proj = nn.Linear(h, nkv * d, bias=False)
+        self.self_attn.o_proj = nn.Linear(nh * d, h, bias=False)
+        self.post_attention_layernorm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.mlp.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.mlp.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: EagleCache | None) -> torch.Tensor:
+        """x: [B, T, h]; cos, sin: [T, d] (sin signed for the roll form of rotate_half)."""
+        b, t, _ = x.shape
+        a = self.self_attn
+        q = a.q_proj(x).view(b, t, self.nh, self.d).transpose(1, 2)  # [B, nh, T, d]
+        k = a.k_proj(x).view(b, t, self.nkv, self.d).transpose(1, 2)
+        v = a.v_proj(x).view(b, t, self.nkv, self.d).transpose(1, 2)
+        q = q * cos + q.roll(self.d // 2, dims=-1) * sin
+        k = k * cos + k.roll(self.d // 2, dims=-1) * sin
+        mask, causal = None, t > 1
+        if cache is not None:  # batch 1: append, attend over everything cached
+            start = cache.length
+            k, v = cache.append(k[0], v[0])
+            k, v = k[None], v[None]
+            if start > 0 and t > 1:
+                end = start + t
+                mask = torch.arange(end, device=x.device) <= torch.arange(start, end, device=x.device)[:, None]
+                causal = False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.nkv != self.nh)
+        x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.d))
+        m = self.mlp
+        h = self.post_attention_layernorm(x)
+        return x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+
+
+@dataclass
+class EagleCache:
+    k: torch.Tensor  # [nkv, capacity, d]
+    v: torch.Tensor
+    length: int = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[1]
+        if end > self.k.shape[1]:
+            raise ValueError(f"EAGLE cache overflow: {end} > {self.k.shape[1]}")
+        self.k[:, self.length : end] = k
+        self.v[:, self.length : end] = v
+        self.length = end
+        return self.k[:, :end], self.v[:, :end]
+
+
+class EagleNet(nn.Module):
+    """fc + one decoder layer (+ an optional reduced-vocabulary head). Shared by training and
+    drafting; the target's embeddings and lm_head are passed in, never owned."""
+
+    def __init__(self, cfg: EagleConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.bias)
+        self.layers = nn.ModuleList([EagleLayer(cfg)])
+        self.lm_head: nn.Linear | None = None
+        if cfg.draft_vocab_size is not None:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+            self.register_buffer("draft_vocab", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+
+    def forward(
+        self, embeds: torch.Tensor, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        cache: EagleCache | None = None,
+    ) -> torch.Tensor:
+        """Predicted next features [B, T, h] from embed(x_{t+1}) and f_t, both [B, T, h]."""
+        x = self.fc(torch.cat((embeds, features), dim=-1))
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache)
+        return x
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save(self, out_dir: str | Path, extra_config: dict[str, Any] | None = None) -> None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(tensors, str(out / WEIGHT_FILES[0]))
+        (out / "config.json").write_text(json.dumps({**self.cfg.to_json(), **(extra_config or {})}, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path, hidden_size: int, vocab_size: int) -> EagleNet:
+        """A checkpoint folder in the EAGLE layout, checked against the target's sizes."""
+        folder = Path(path)
+        config_path = folder / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(f"no EAGLE config at {config_path}")
+        cfg = EagleConfig.from_json(json.loads(config_path.read_text()))
+        if cfg.hidden_size != hidden_size:
+            raise CheckpointError(f"{folder}: EAGLE hidden size {cfg.hidden_size} does not match the target's "
+                                  f"hidden size {hidden_size}")
+        if cfg.vocab_size != vocab_size:
+            raise CheckpointError(f"{folder}: EAGLE vocabulary size {cfg.vocab_size} does not match the target's "
+                                  f"vocabulary size {vocab_size}")
+        weights = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
+        if weights is None:
+            pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+            hint = f" ({', '.join(pickled)} is a pickle: convert it to safetensors)" if pickled else ""
+            raise CheckpointError(f"no weights at {folder / WEIGHT_FILES[0]}{hint}")
+        state = load_file(str(weights))
+        state.pop("embed_tokens.weight", None)  # official checkpoints may carry the target's embeddings
+        net = cls(cfg)
+        missing, unexpected = net.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"{weights}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        return net.eval()
+
+
+@dataclass
+class EagleState:
+    cache: EagleCache
+    num_pairs: int = 0  # (f_t, x_{t+1}) pairs with true features in the cache: t < num_pairs
+    last_feature: torch.Tensor | None = None  # predicted feature of the newest token
+    tokens: list[int] = field(default_factory=list)
+
+
+class EagleDrafter:
+    """Drafts with an EagleNet over a FastLlama target's embeddings, lm_head and rope tables."""
+
+    needs_hidden_states: ClassVar[bool] = True
+    cheap: ClassVar[bool] = False
+
+    def __init__(self, config: Any, net: EagleNet, target: Any) -> None:
+        self.config = config
+        self.name = config.name
+        self.net = net
+        self.target = target
+        self.embed = target.embed  # [vocab, h]
+        self.cos, self.sin = target.cos, target.sin_signed  # [max_position, d]
+        if net.lm_head is not None:
+            self.head_t = net.lm_head.weight.detach().t().contiguous()  # [h, draft_vocab]
+            self.vocab_ids = net.draft_vocab
+        else:
+            self.head_t = target.lm_head.w_t  # [h, vocab]
+            self.vocab_ids = None
+        self.vocab_size = target.info.vocab_size
+
+    def begin(self, ctx: DraftContext) -> EagleState:
+        cfg = self.net.cfg
+        shape = (cfg.num_key_value_heads, ctx.max_len, cfg.head_dim)
+        dtype = self.embed.dtype
+        return EagleState(EagleCache(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)))
+
+    def _run(self, state: EagleState, token_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Feed pairs (features[i], token_ids[i]) at the next cache positions; the last output."""
+        start, n = state.cache.length, token_ids.shape[0]
+        cos, sin = self.cos[start : start + n], self.sin[start : start + n]  # [T, d]
+        return self.net(self.embed[token_ids][None], features[None], cos, sin, state.cache)[0, -1]
+
+    @torch.inference_mode()
+    def propose(self, state: EagleState, ctx: DraftContext, k: int) -> Draft:
+        if ctx.features is None:
+            raise RuntimeError("the EAGLE drafter needs the target's hidden states")
+        ids = ctx.token_ids
+        n_true = len(ids) - 1  # features are known for every token but the newest
+        if n_true > state.num_pairs:  # pairs (f_t, x_{t+1}) for the tokens accepted since last time
+            pending = torch.tensor(ids[state.num_pairs + 1 : n_true + 1], dtype=torch.long)
+            state.last_feature = self._run(state, pending, ctx.features[state.num_pairs : n_true])
+            state.num_pairs = n_true
+        feature = state.last_feature
+        if feature is None:  # a one-token prompt: no feature yet to draft from
+            return Draft(torch.empty(0, dtype=torch.long))
+        drafted: list[int] = []
+        probs: list[torch.Tensor] = []
+        for i in range(k):
+            logits = feature[None] @ self.head_t  # [1, draft_vocab]
+            if ctx.params.greedy:
+                row = int(logits[0].argmax())
+            else:
+                p = probs_from_logits(logits, ctx.params)
+                row = int(torch.multinomial(p[0], 1, generator=ctx.generator))
+                probs.append(self._full_vocab(p))
+            token = int(self.vocab_ids[row]) if self.vocab_ids is not None else row
+            drafted.append(token)
+            if i < k - 1:  # feed (predicted feature, drafted token): predicts the next feature
+                feature = self._run(state, torch.tensor([token]), feature[None])
+        return Draft(torch.tensor(drafted, dtype=torch.long), torch.cat(probs) if probs else None)
+
+    def _full_vocab(self, p: torch.Tensor) -> torch.Tensor:
+        """Draft probabilities over the target's vocabulary (zero outside the draft vocabulary):
+        rejection sampling needs q on the same support as the target's p."""
+        if self.vocab_ids is None:
+            return p
+        full = torch.zeros(1, self.vocab_size, dtype=p.dtype)
+        full[0, self.vocab_ids] = p[0]
+        return full
+
+    def commit(self, state: EagleState, ctx: DraftContext, num_new: int, num_accepted: int) -> None:
+        # drafted pairs carried predicted features: drop them all; true ones are fed next time
+        state.cache.length = state.num_pairs
+
+    def end(self, state: EagleState) -> None:
+        state.cache = None  # type: ignore[assignment]
