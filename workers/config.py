@@ -90,7 +90,21 @@ class EagleDrafterConfig(_Strict):
         return p if p.is_absolute() or p.exists() else Path(__file__).resolve().parents[1] / p
 
 
-DrafterConfig = Annotated[NgramDrafterConfig | ModelDrafterConfig | EagleDrafterConfig, Field(discriminator="kind")]
+class MedusaDrafterConfig(_Strict):
+    kind: Literal["medusa"] = "medusa"
+    name: str = "medusa"
+    path: str = Field(description="Medusa heads folder (config.json + medusa_lm_head.safetensors); relative: to "
+                                  "the working directory if it exists there, else to the repository")
+    draft_len: int = Field(3, ge=1, description="static k when the policy does not choose one (at most the heads)")
+
+    def resolved_path(self) -> Path:
+        p = Path(self.path)
+        return p if p.is_absolute() or p.exists() else Path(__file__).resolve().parents[1] / p
+
+
+DrafterConfig = Annotated[
+    NgramDrafterConfig | ModelDrafterConfig | EagleDrafterConfig | MedusaDrafterConfig, Field(discriminator="kind"),
+]
 
 
 class EngineConfig(_Strict):

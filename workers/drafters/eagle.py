@@ -221,8 +221,9 @@ class EagleDrafter:
     def begin(self, ctx: DraftContext) -> EagleState:
         cfg = self.net.cfg
         shape = (cfg.num_key_value_heads, ctx.max_len, cfg.head_dim)
-        dtype = self.embed.dtype
-        return EagleState(EagleCache(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)))
+        dtype, device = self.embed.dtype, self.embed.device
+        return EagleState(EagleCache(torch.empty(shape, dtype=dtype, device=device),
+                                     torch.empty(shape, dtype=dtype, device=device)))
 
     def _run(self, state: EagleState, token_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """Feed pairs (features[i], token_ids[i]) at the next cache positions; the last output."""
@@ -237,7 +238,7 @@ class EagleDrafter:
         ids = ctx.token_ids
         n_true = len(ids) - 1  # features are known for every token but the newest
         if n_true > state.num_pairs:  # pairs (f_t, x_{t+1}) for the tokens accepted since last time
-            pending = torch.tensor(ids[state.num_pairs + 1 : n_true + 1], dtype=torch.long)
+            pending = torch.tensor(ids[state.num_pairs + 1 : n_true + 1], dtype=torch.long, device=self.embed.device)
             state.last_feature = self._run(state, pending, ctx.features[state.num_pairs : n_true])
             state.num_pairs = n_true
         feature = state.last_feature
@@ -256,7 +257,7 @@ class EagleDrafter:
             token = int(self.vocab_ids[row]) if self.vocab_ids is not None else row
             drafted.append(token)
             if i < k - 1:  # feed (predicted feature, drafted token): predicts the next feature
-                feature = self._run(state, torch.tensor([token]), feature[None])
+                feature = self._run(state, torch.tensor([token], device=self.embed.device), feature[None])
         return Draft(torch.tensor(drafted, dtype=torch.long), torch.cat(probs) if probs else None)
 
     def _full_vocab(self, p: torch.Tensor) -> torch.Tensor:
@@ -264,7 +265,7 @@ class EagleDrafter:
         rejection sampling needs q on the same support as the target's p."""
         if self.vocab_ids is None:
             return p
-        full = torch.zeros(1, self.vocab_size, dtype=p.dtype)
+        full = torch.zeros(1, self.vocab_size, dtype=p.dtype, device=p.device)
         full[0, self.vocab_ids] = p[0]
         return full
 

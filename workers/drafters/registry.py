@@ -4,15 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from workers.config import DrafterConfig, EagleDrafterConfig, ModelDrafterConfig, NgramDrafterConfig
+import torch
+
+from workers.config import (
+    DrafterConfig,
+    EagleDrafterConfig,
+    MedusaDrafterConfig,
+    ModelDrafterConfig,
+    NgramDrafterConfig,
+)
 from workers.drafters.base import Drafter
 from workers.drafters.eagle import CheckpointError, EagleDrafter, EagleNet
+from workers.drafters.medusa import MedusaDrafter, MedusaHeads
 from workers.drafters.model import ModelDrafter
 from workers.drafters.ngram import NgramDrafter
 from workers.models.llama import FastLlama
 from workers.target import LoadedModel, ModelLoadError, load_model
 
-DRAFTER_KINDS = ("ngram", "model", "eagle")
+DRAFTER_KINDS = ("ngram", "model", "eagle", "medusa")
 
 
 def _build_model_drafter(config: ModelDrafterConfig, target: LoadedModel) -> ModelDrafter:
@@ -37,6 +46,18 @@ def _build_eagle_drafter(config: EagleDrafterConfig, target: LoadedModel) -> Eag
     return EagleDrafter(config, net.to(device=model.device, dtype=model.dtype), model)
 
 
+def _build_medusa_drafter(config: MedusaDrafterConfig, target: LoadedModel) -> MedusaDrafter:
+    model = target.model
+    try:
+        heads = MedusaHeads.load(config.resolved_path(), model.info.hidden_size, model.info.vocab_size)
+    except CheckpointError as e:
+        raise ModelLoadError(f"drafter {config.name!r}: {e}") from None
+    if heads.lm_head is None and not heads.cfg.per_head_vocab and not isinstance(model, FastLlama):
+        raise ModelLoadError(f"drafter {config.name!r}: heads without their own vocabulary head use the target's "
+                             "lm_head, which needs the fast Llama backend")
+    return MedusaDrafter(config, heads.to(device=model.device, dtype=getattr(model, "dtype", torch.float32)), model)
+
+
 def build_drafter(config: DrafterConfig, target: LoadedModel) -> Drafter:
     if isinstance(config, NgramDrafterConfig):
         return NgramDrafter(config)
@@ -44,6 +65,8 @@ def build_drafter(config: DrafterConfig, target: LoadedModel) -> Drafter:
         return _build_model_drafter(config, target)
     if isinstance(config, EagleDrafterConfig):
         return _build_eagle_drafter(config, target)
+    if isinstance(config, MedusaDrafterConfig):
+        return _build_medusa_drafter(config, target)
     raise TypeError(f"unknown drafter config {type(config).__name__}")
 
 

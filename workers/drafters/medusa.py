@@ -1,0 +1,179 @@
+"""Medusa-1 heads: parallel draft heads on the target's last hidden state.
+
+From the target's feature f_p at the newest position whose forward has run (p = len - 2: the
+newest token, the one the target just emitted, has not been through it yet), head i proposes
+token p + 2 + i through residual blocks x + SiLU(W x + b) and a vocabulary head. The heads run
+together in one batched product; no state is carried between steps.
+
+Checkpoints use Medusa's layout, so heads trained elsewhere load as they are: `config.json`
+(`medusa_num_heads`, `medusa_num_layers`) and `medusa_lm_head.safetensors` with keys
+`{i}.{j}.linear.weight|bias` (block j of head i) and `{i}.{L}.weight` (its vocabulary head,
+L = medusa_num_layers). SpecRoute's heads may leave out the per-head vocabulary heads and share
+one instead: `lm_head.weight` [draft_vocab, hidden] with `draft_vocab` (token id per row), or
+none at all (the target's lm_head). Safetensors only: a pickle can run code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from workers.drafters.base import Draft, DraftContext
+from workers.drafters.eagle import CheckpointError
+from workers.sampling import probs_from_logits
+
+WEIGHT_FILE = "medusa_lm_head.safetensors"
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)  # Medusa's init: each head starts as the identity
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    num_heads: int
+    num_layers: int
+    hidden_size: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int | None = None  # a shared reduced head; None: own heads or the target's
+    per_head_vocab: bool = False  # Medusa's own layout: one full vocabulary head per head
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, cfg: MedusaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.heads = nn.ModuleList(
+            nn.Sequential(*[ResBlock(cfg.hidden_size) for _ in range(cfg.num_layers)],
+                          *([nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)] if cfg.per_head_vocab else []))
+            for _ in range(cfg.num_heads)
+        )
+        self.lm_head: nn.Linear | None = None
+        if cfg.draft_vocab_size is not None:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+            self.register_buffer("draft_vocab", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., h] -> [num_heads, ..., h] (shared head) or [num_heads, ..., vocab] (own heads)."""
+        return torch.stack([head(features) for head in self.heads])
+
+    def state_dict_medusa(self) -> dict[str, torch.Tensor]:
+        """Medusa's key names: {i}.{j}... for the heads, shared head keys as they are."""
+        out = {}
+        for key, value in self.state_dict().items():
+            out[key.removeprefix("heads.")] = value.detach().contiguous()
+        return out
+
+    def save(self, out_dir: str | Path, extra_config: dict[str, Any] | None = None) -> None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(self.state_dict_medusa(), str(out / WEIGHT_FILE))
+        config = {"medusa_num_heads": self.cfg.num_heads, "medusa_num_layers": self.cfg.num_layers,
+                  "hidden_size": self.cfg.hidden_size, "vocab_size": self.cfg.vocab_size,
+                  "draft_vocab_size": self.cfg.draft_vocab_size, **(extra_config or {})}
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path, hidden_size: int, vocab_size: int) -> MedusaHeads:
+        folder = Path(path)
+        config_path = folder / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(f"no Medusa config at {config_path}")
+        data = json.loads(config_path.read_text())
+        if "medusa_num_heads" not in data:
+            raise CheckpointError(f"{config_path} lacks medusa_num_heads")
+        weights = folder / WEIGHT_FILE
+        if not weights.is_file():
+            pickled = [p.name for p in folder.glob("*.pt")] + [p.name for p in folder.glob("*.bin")]
+            hint = f" ({', '.join(pickled)} is a pickle: convert it to safetensors)" if pickled else ""
+            raise CheckpointError(f"no weights at {weights}{hint}")
+        state = load_file(str(weights))
+        num_heads, num_layers = int(data["medusa_num_heads"]), int(data.get("medusa_num_layers", 1))
+        block = state.get("0.0.linear.weight")
+        if block is None:
+            raise CheckpointError(f"{weights}: no 0.0.linear.weight (not a Medusa head file)")
+        if block.shape[1] != hidden_size:
+            raise CheckpointError(f"{folder}: Medusa hidden size {block.shape[1]} does not match the target's "
+                                  f"hidden size {hidden_size}")
+        own = state.get(f"0.{num_layers}.weight")
+        if own is not None and own.shape[0] != vocab_size:
+            raise CheckpointError(f"{folder}: Medusa vocabulary size {own.shape[0]} does not match the target's "
+                                  f"vocabulary size {vocab_size}")
+        if own is None and data.get("vocab_size", vocab_size) != vocab_size:
+            raise CheckpointError(f"{folder}: Medusa vocabulary size {data['vocab_size']} does not match the "
+                                  f"target's vocabulary size {vocab_size}")
+        shared = state.get("lm_head.weight")
+        cfg = MedusaConfig(num_heads, num_layers, hidden_size, vocab_size,
+                           draft_vocab_size=None if shared is None else shared.shape[0], per_head_vocab=own is not None)
+        net = cls(cfg)
+        missing, unexpected = net.load_state_dict({("heads." + k if k[0].isdigit() else k): v
+                                                   for k, v in state.items()}, strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"{weights}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        return net.eval()
+
+
+class MedusaDrafter:
+    needs_hidden_states: ClassVar[bool] = True
+    cheap: ClassVar[bool] = False
+
+    def __init__(self, config: Any, heads: MedusaHeads, target: Any) -> None:
+        self.config = config
+        self.name = config.name
+        self.heads = heads
+        self.vocab_size = target.info.vocab_size
+        self.vocab_ids: torch.Tensor | None = None
+        self.head_t: torch.Tensor | None = None  # [h, vocab'] when the heads share one
+        if heads.lm_head is not None:
+            self.head_t = heads.lm_head.weight.detach().t().contiguous()
+            self.vocab_ids = heads.draft_vocab
+        elif not heads.cfg.per_head_vocab:
+            self.head_t = target.lm_head.w_t
+
+    def begin(self, ctx: DraftContext) -> None:
+        return None
+
+    @torch.inference_mode()
+    def propose(self, state: None, ctx: DraftContext, k: int) -> Draft:
+        if ctx.features is None:
+            raise RuntimeError("the Medusa drafter needs the target's hidden states")
+        p = len(ctx.token_ids) - 2  # the newest position the target has run
+        k = min(k, self.heads.cfg.num_heads)
+        if p < 0 or k == 0:
+            return Draft(torch.empty(0, dtype=torch.long, device=ctx.features.device))
+        out = self.heads(ctx.features[p][None])[:k, 0]  # [k, h] or [k, vocab]
+        logits = out @ self.head_t if self.head_t is not None else out
+        if ctx.params.greedy:
+            rows, probs = logits.argmax(-1), None
+        else:
+            q = probs_from_logits(logits, ctx.params)
+            rows = torch.multinomial(q, 1, generator=ctx.generator)[:, 0]
+            probs = self._full_vocab(q)
+        token_ids = self.vocab_ids[rows] if self.vocab_ids is not None else rows
+        return Draft(token_ids.to(torch.long), probs)
+
+    def _full_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        if self.vocab_ids is None:
+            return q
+        full = torch.zeros(q.shape[0], self.vocab_size, dtype=q.dtype, device=q.device)
+        full[:, self.vocab_ids] = q
+        return full
+
+    def commit(self, state: None, ctx: DraftContext, num_new: int, num_accepted: int) -> None:
+        pass
+
+    def end(self, state: None) -> None:
+        pass
