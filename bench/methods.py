@@ -74,6 +74,7 @@ class EngineMethod:
             num_steps=result.num_steps, num_draft_tokens=result.num_draft_tokens,
             num_accepted_tokens=result.num_accepted_tokens,
             accepted_per_position=result.accepted_per_position, drafted_per_position=result.drafted_per_position,
+            draft_s=sum(s.draft_s for s in result.steps),
         )
 
 
@@ -96,7 +97,7 @@ class RouterMethod:
             num_steps=result.num_steps, num_draft_tokens=result.num_draft_tokens,
             num_accepted_tokens=result.num_accepted_tokens,
             accepted_per_position=result.accepted_per_position, drafted_per_position=result.drafted_per_position,
-            routing=routing_summary(routed.routing),
+            routing=routing_summary(routed.routing), draft_s=sum(s.draft_s for s in result.steps),
         )
 
 

@@ -28,6 +28,7 @@ class RunRecord:
     # None where the method does not expose it (transformers' generate).
     drafted_per_position: list[int] | None
     routing: dict | None = None  # the router method: domain, plan, schedule, fallbacks
+    draft_s: float | None = None  # seconds spent proposing (our engine's methods)
 
 
 @dataclass

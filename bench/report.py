@@ -30,6 +30,20 @@ def summary_table(results: dict) -> list[str]:
     return lines
 
 
+def draft_cost_section(runs: list[dict]) -> list[str]:
+    """Per method of our engine: what proposing cost, per draft token and as a share of the
+    method's wall time (a drafter that eats the gain shows here first)."""
+    lines = ["| method | draft tokens | draft ms / token | share of wall time |", "|---|---:|---:|---:|"]
+    for method in dict.fromkeys(r["method"] for r in runs):
+        mine = [r for r in runs if r["method"] == method and r.get("draft_s") is not None]
+        tokens = sum(r["num_draft_tokens"] or 0 for r in mine)
+        if not mine or not tokens:
+            continue
+        draft_s, wall_s = sum(r["draft_s"] for r in mine), sum(r["wall_s"] for r in mine)
+        lines.append(f"| {method} | {tokens} | {draft_s / tokens * 1e3:.3f} | {draft_s / wall_s:.1%} |")
+    return lines if len(lines) > 2 else ["No method of this run drafted."]
+
+
 def verify_curve_section(curve: dict | None) -> list[str]:
     if curve is None:
         return ["Not measured (--no-verify-curve)."]
@@ -105,7 +119,8 @@ def write_report(results: dict, out: Path) -> list[Path]:
             "Fraction of the steps that drafted a token at position i in which the target accepted it "
             "(and so every earlier one).", "", "![acceptance by position](acceptance_by_position.png)", "",
         ]
-    lines += ["## Verification cost", "", *verify_curve_section(results["verify_curve"]), "",
+    lines += ["## Drafting cost", "", *draft_cost_section(results["runs"]), "",
+              "## Verification cost", "", *verify_curve_section(results["verify_curve"]), "",
               "## Greedy losslessness", "", *mismatch_section(results["mismatches"]), "",
               "## Machine", "", *machine_section(results["machine"]), "",
               "## Command", "", "```", results["command"], "```", ""]

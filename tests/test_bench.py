@@ -98,6 +98,10 @@ def test_report_and_plots(bench_run: tuple[dict, Path]) -> None:
     report = (out / "report.md").read_text()
     assert TABLE_HEADER in report and "specroute bench --test" in report
     assert "| k | T(1+k) ms | T(1+k)/T(1) |" in report
+    # what proposing cost, per drafting method of our engine: self drafted in this run, plain never does
+    assert "| method | draft tokens | draft ms / token | share of wall time |" in report
+    draft_rows = [line for line in report.splitlines() if line.startswith("| self |") and "%" in line]
+    assert len(draft_rows) == 1 and not any(line.startswith("| plain |") and "%" in line for line in report.splitlines())
     for name in ("speedup.png", "acceptance_by_position.png", "verify_curve.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
 
