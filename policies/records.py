@@ -10,9 +10,9 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Protocol
+from typing import Any, Protocol
 
 # The drafter name of a plain step (no draft, k = 0). Defined here, at the bottom of the
 # dependency order, and imported by workers and router.
@@ -224,6 +224,13 @@ class AcceptanceCounts:
             self.num_emitted_tokens + other.num_emitted_tokens, self.step_s + other.step_s,
         )
 
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AcceptanceCounts:
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
     def acceptance_by_position(self) -> list[float]:
         """accepted/drafted at each position that was ever drafted."""
         accepted = self.accepted_per_position
@@ -330,4 +337,39 @@ class StatsSnapshot:
             histograms=_add_maps(self.histograms, other.histograms),
             window_s=None if None in (self.window_s, other.window_s) else max(self.window_s, other.window_s),
             degraded=self.degraded or other.degraded,
+        )
+
+    # -- JSON: how a snapshot crosses Ray and HTTP (MappingProxyType does not pickle) ------------
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict, maps as lists of [*key, value] rows; `from_json` restores an equal
+        snapshot (json writes floats as their shortest repr, which reads back exactly)."""
+        def costs(m: Mapping) -> list[list]:
+            return [[*(k if isinstance(k, tuple) else (k,)), c.total_s, c.count] for k, c in m.items()]
+
+        return {
+            "acceptance": [[*k, c.to_json()] for k, c in self.acceptance.items()],
+            "shadow": [[*k, c.to_json()] for k, c in self.shadow.items()],
+            "draft_cost": costs(self.draft_cost),
+            "verify_cost": costs(self.verify_cost),
+            "plain_cost": costs(self.plain_cost),
+            "decisions": [[*k, n] for k, n in self.decisions.items()],
+            "fallbacks": [[*k, n] for k, n in self.fallbacks.items()],
+            "histograms": [[*k, list(h.counts), h.sum_s] for k, h in self.histograms.items()],
+            "window_s": self.window_s,
+            "degraded": self.degraded,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StatsSnapshot:
+        return cls(
+            acceptance={(d, r, b): AcceptanceCounts.from_json(c) for d, r, b, c in data.get("acceptance", ())},
+            shadow={(d, r, b): AcceptanceCounts.from_json(c) for d, r, b, c in data.get("shadow", ())},
+            draft_cost={(r, b): CostStat(s, n) for r, b, s, n in data.get("draft_cost", ())},
+            verify_cost={(int(k), b): CostStat(s, n) for k, b, s, n in data.get("verify_cost", ())},
+            plain_cost={b: CostStat(s, n) for b, s, n in data.get("plain_cost", ())},
+            decisions={(d, r, why): n for d, r, why, n in data.get("decisions", ())},
+            fallbacks={(d, why): n for d, why, n in data.get("fallbacks", ())},
+            histograms={(name, lab): Histogram(tuple(c), s) for name, lab, c, s in data.get("histograms", ())},
+            window_s=data.get("window_s"),
+            degraded=bool(data.get("degraded", False)),
         )

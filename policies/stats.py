@@ -55,8 +55,8 @@ from policies.records import (
 
 __all__ = [  # the value types live in policies.records and are re-exported here
     "DEFAULT_BUCKET_S", "DEFAULT_PREFIX", "DEFAULT_RETENTION_S", "PLAIN", "AcceptanceCounts", "CostStat",
-    "MemoryStats", "RedisStats", "Record", "RequestRecord", "ShadowRecord", "StatsSnapshot", "StatsStore",
-    "StepRecord", "StoreHealth", "context_bucket", "make_stats_store",
+    "MemoryStats", "RedisStats", "Record", "RequestRecord", "SeriesPoint", "ShadowRecord", "StatsSnapshot",
+    "StatsStore", "StepRecord", "StoreHealth", "context_bucket", "make_stats_store",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,15 @@ class StoreHealth:
     last_error: str | None = None
 
 
+@dataclass(frozen=True)
+class SeriesPoint:
+    """One time bucket of a window: what was recorded in [start_s, start_s + bucket_s)."""
+
+    start_s: float
+    bucket_s: int
+    snapshot: StatsSnapshot
+
+
 @runtime_checkable
 class StatsStore(Protocol):
     def record(self, record: Record) -> None: ...
@@ -89,6 +98,11 @@ class StatsStore(Protocol):
     def snapshot(self, window_s: float | None = None) -> StatsSnapshot:
         """Statistics of the last `window_s` seconds (rounded up to whole buckets, at most the
         retention), or of all time when None."""
+        ...
+
+    def series(self, window_s: float) -> list[SeriesPoint]:
+        """One snapshot per time bucket of the last `window_s` seconds, oldest first, empty
+        buckets included: the time series of dashboards."""
         ...
 
     def reset(self) -> None: ...
@@ -272,6 +286,10 @@ class _Buckets:
     def oldest_kept(self) -> int:
         return self.current() - self.num_kept + 1
 
+    def point(self, bucket: int, fields: Mapping[str, int | float], degraded: bool = False) -> SeriesPoint:
+        snapshot = replace(_parse(fields, self.bucket_s), degraded=degraded)
+        return SeriesPoint(bucket * self.bucket_s, self.bucket_s, snapshot)
+
     def window(self, window_s: float) -> range:
         if not window_s >= 0:
             raise ValueError(f"window_s must be >= 0 or None, got {window_s}")
@@ -325,6 +343,12 @@ class MemoryStats:
             else:
                 fields = _sum_buckets(self._buckets, self._buckets_of.window(window_s))
         return _parse(fields, window_s)
+
+    def series(self, window_s: float) -> list[SeriesPoint]:
+        with self._lock:
+            ids = self._buckets_of.window(window_s)
+            fields = [(i, Counter(self._buckets.get(i, ()))) for i in ids]
+        return [self._buckets_of.point(i, f) for i, f in fields]
 
     def reset(self) -> None:
         with self._lock:
@@ -480,6 +504,27 @@ class RedisStats:
             remote = self._last_good.get(window_s, StatsSnapshot(window_s=window_s))
             local = _parse(_sum_buckets(self._pending, ids), window_s)
         return replace(remote.merge(local), window_s=window_s, degraded=True)
+
+    def series(self, window_s: float) -> list[SeriesPoint]:
+        ids = self._buckets_of.window(window_s)
+        if self._flush():
+            with self._lock:
+                may_try = self._may_try()
+            if may_try:
+                try:
+                    pipe = self._redis.pipeline(transaction=True)
+                    for i in ids:
+                        pipe.hgetall(self._bucket_key(i))
+                    hashes = pipe.execute()
+                    with self._lock:
+                        self._succeeded()
+                    return [self._buckets_of.point(i, _numeric(h)) for i, h in zip(ids, hashes)]
+                except _REDIS_ERRORS as e:
+                    with self._lock:
+                        self._failed(e)
+        with self._lock:  # degraded: no history to fall back on, only what this process holds
+            pending = [(i, Counter(self._pending.get(i, ()))) for i in ids]
+        return [self._buckets_of.point(i, f, degraded=True) for i, f in pending]
 
     def reset(self) -> None:
         """Delete this prefix's keys for every replica and drop the local buffer. An operator

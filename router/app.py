@@ -14,11 +14,12 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 from ray.exceptions import RayTaskError
@@ -26,6 +27,18 @@ from ray.serve import Application
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.control import (
+    ADMIN_TOKEN_ENV,
+    CONTROL_TIMEOUT_S,
+    ControlError,
+    check_admin_token,
+    combine,
+    parse_policy_body,
+    policy_outcome,
+)
+from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from router.metrics import render as render_metrics
+from router.observation import Observation
 from router.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -46,6 +59,7 @@ from router.schemas import (
     SpeculationInfo,
     Usage,
 )
+from router.stats_view import stats_json
 from workers.config import EngineConfig, RoutingConfig
 from workers.deployment import Chunk, FinalStats, GenerateRequest, InvalidRequest, TargetWorker
 
@@ -54,6 +68,8 @@ log = logging.getLogger(__name__)
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 INGRESS_MAX_ONGOING_REQUESTS = 1024  # the ingress only relays: its limit is the workers' sum and more
 STATS_URL_ENV = "SPECROUTE_REDIS_URL"  # the shared statistics store, when the Serve config names none
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+STATIC_FILES = {"chart.umd.min.js": "text/javascript; charset=utf-8"}  # served at /static/<name>; nothing else
 
 
 # -- application arguments ---------------------------------------------------------------------
@@ -81,6 +97,14 @@ class AppArgs(BaseModel):
     stats_url: str | None = Field(
         None, description=f"redis:// URL of statistics shared by every replica (default: ${STATS_URL_ENV}, "
                           "else each replica's own, in memory)",
+    )
+    stats_prefix: str | None = Field(
+        None, description="key prefix in that Redis (default: the store's); replicas with the same URL and prefix "
+                          "share statistics",
+    )
+    admin_token: str | None = Field(
+        None, description=f"PUT /v1/policy requires `Authorization: Bearer <admin_token>` (default: "
+                          f"${ADMIN_TOKEN_ENV}; none: open)",
     )
     max_ongoing_requests: int = Field(16, ge=1, description="concurrent requests per target replica")
     num_replicas: int | None = Field(None, ge=1, description="fixed target replicas (default 1)")
@@ -113,6 +137,7 @@ def build_app(args: dict[str, Any]) -> Application:
     stats_url = app_args.stats_url or os.environ.get(STATS_URL_ENV) or None
     worker = TargetWorker.options(**app_args.worker_options()).bind(
         app_args.engine.model_dump(mode="json"), app_args.routing.model_dump(mode="json"), stats_url,
+        app_args.stats_prefix,
     )
     return OpenAIIngress.bind(worker, app_args.model_dump(mode="json"))
 
@@ -178,6 +203,12 @@ async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse
     return _error_response(_as_api_error(exc))
 
 
+@app.exception_handler(ControlError)
+async def _on_control_error(request: Request, exc: ControlError) -> JSONResponse:
+    kind = "invalid_request_error" if exc.status < 500 else "internal_error"
+    return _error_response(APIError(exc.status, exc.message, exc.param, exc.code, type=kind))
+
+
 @app.exception_handler(StarletteHTTPException)
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
@@ -219,6 +250,9 @@ class OpenAIIngress:
         self.model_name = self.args.served_model_name
         self.drafter_names = [d.name for d in self.args.engine.drafters]
         self.created = int(time.time())
+        self.admin_token = self.args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
+        self.dashboard_html = (STATIC_DIR / "dashboard.html").read_text()
+        self.static = {name: (STATIC_DIR / name).read_bytes() for name in STATIC_FILES}
 
     @app.get("/healthz")
     async def healthz(self) -> dict[str, str]:
@@ -274,6 +308,48 @@ class OpenAIIngress:
             choices=[ChatChoice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)],
             usage=_usage(out.stats), speculation=_speculation_info(out.stats),
         )
+
+    # -- observability and control (docs/deploy.md, "Observability") ---------------------------
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        return Response(render_metrics(await self._observe()), media_type=METRICS_CONTENT_TYPE)
+
+    @app.get("/v1/stats")
+    async def stats(self) -> JSONResponse:
+        return JSONResponse(stats_json(await self._observe(include_series=True)))
+
+    @app.get("/dashboard")
+    async def dashboard(self) -> HTMLResponse:
+        return HTMLResponse(self.dashboard_html)
+
+    @app.get("/static/{name}")
+    async def static_file(self, name: str) -> Response:
+        if name not in self.static:
+            raise APIError(404, f"no static file {name!r}", code="not_found")
+        return Response(self.static[name], media_type=STATIC_FILES[name], headers={"cache-control": "max-age=3600"})
+
+    @app.put("/v1/policy")
+    async def put_policy(self, request: Request) -> dict[str, Any]:
+        """Hot reload: every worker replica validates and swaps in the policy (router/control.py)."""
+        check_admin_token(self.admin_token, request.headers.get("authorization"))
+        policy = parse_policy_body(await request.body())
+        update = policy_outcome(await self._on_every_worker("set_policy", policy))
+        return {"version": update.version, "num_replicas": update.num_replicas, "replicas": update.replicas}
+
+    async def _on_every_worker(self, method: str, *args: Any) -> list[Any]:
+        """`method` on every worker replica: its answers, or the exceptions replicas raised."""
+        try:
+            return await self.worker.broadcast(method, *args).results_async(
+                timeout_s=CONTROL_TIMEOUT_S, return_exceptions=True)
+        except Exception as e:  # timeout, or no replica running
+            raise APIError(503, f"worker replicas did not answer {method}: {e!r}", type="internal_error") from None
+
+    async def _observe(self, include_series: bool = False) -> Observation:
+        answers = await self._on_every_worker("observe", include_series)
+        observations = [Observation.from_json(a) for a in answers if isinstance(a, dict)]
+        if not observations:
+            raise APIError(503, f"no worker replica answered observe: {answers!r}", type="internal_error")
+        return combine(observations)
 
     # -- helpers ------------------------------------------------------------------------------
     def _request(self, body: GenerationRequestBase, prompt: str | list[dict[str, str]]) -> GenerateRequest:

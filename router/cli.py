@@ -1,4 +1,4 @@
-"""The `specroute` command line: serve, generate, bench, policy check, train-classifier.
+"""The `specroute` command line: serve, generate, bench, policy check, train-classifier, train-drafter.
 
 Heavy imports (torch, Ray) happen inside each command so `specroute --help` stays instant and a
 bad argument is reported before any model loads.
@@ -16,7 +16,7 @@ import yaml
 from pydantic import ValidationError
 
 from policies.schema import describe_errors
-from workers.config import PLAIN, EngineConfig, RoutingConfig
+from workers.config import DEFAULT_TARGET_MODEL, PLAIN, EngineConfig, RoutingConfig
 
 DEFAULT_SERVE_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve.cpu.yaml"
 
@@ -205,6 +205,46 @@ def cmd_train_classifier(args: argparse.Namespace) -> int:
     return 0
 
 
+DRAFTER_KINDS_TRAINABLE = ("eagle",)
+DRAFTER_KINDS_PLANNED = ("medusa", "model")
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    if args.kind in DRAFTER_KINDS_PLANNED:
+        raise CLIError(f"--kind {args.kind}: training is not yet available (available: eagle)")
+    if args.kind not in DRAFTER_KINDS_TRAINABLE:
+        raise CLIError(f"--kind: unknown drafter kind {args.kind!r} (available: eagle)")
+    from workers.target import ModelLoadError
+    from workers.train.corpus import CorpusError
+    from workers.train.eagle import EagleTrainArgs, TrainError, train_eagle
+
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "kind", "resume", "train_head")}
+    command = "specroute train-drafter --kind eagle " + " ".join(
+        [*(f"--{k.replace('_', '-')} {v}" for k, v in options.items() if v is not None),
+         *(f"--{flag.replace('_', '-')}" for flag in ("train_head", "resume") if getattr(args, flag))]
+    )
+    try:
+        record = train_eagle(EagleTrainArgs(**{**options, "out": str(args.out), "train_head": args.train_head,
+                                               "resume": args.resume, "command": command}),
+                             log=lambda line: print(line, file=sys.stderr))
+    except (TrainError, CorpusError, ModelLoadError) as e:
+        raise CLIError(str(e)) from None
+    except OSError as e:
+        raise CLIError(f"cannot write {args.out}: {e.strerror}") from None
+    last = record["history"][-1] if record["history"] else {}
+    before, after = record.get("eval_initial") or {}, last.get("eval") or {}
+    scores = (f"held-out loss {before['loss']:.4f} -> {after['loss']:.4f}, top-1 agreement "
+              f"{before['top1']:.4f} -> {after['top1']:.4f}" if before and after else "no held-out windows")
+    print(f"ok: EAGLE drafter at step {record['step']}/{args.steps}, {scores}; "
+          f"draft vocabulary {record['draft_vocab']['size']} covers {record['draft_vocab']['coverage']:.2%}; "
+          f"wrote {args.out / 'CARD.md'}")
+    return 0
+
+
+def _non_negative_int(text: str) -> int:
+    return 0 if text.strip() == "0" else _positive_int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specroute", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -263,6 +303,40 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--holdout-mod", type=_positive_int, default=5,
                     help="question_id %% N == 0 is held out: never trained on, scored (default 5)")
     tc.set_defaults(func=cmd_train_classifier)
+
+    td = sub.add_parser("train-drafter", help="train a drafter on the target's features (EAGLE-1 head)")
+    td.add_argument("--kind", default="eagle", help="eagle (medusa, model: not yet available)")
+    td.add_argument("--target", default=DEFAULT_TARGET_MODEL, help="the target model (default: the shipped one)")
+    td.add_argument("--data", required=True,
+                    help="comma list of sources: stdlib (Python's standard library source), pydoc (Python's "
+                         "documentation topics), chat:PATH.jsonl ({prompt, answer} lines); never Spec-Bench")
+    td.add_argument("--out", type=Path, required=True, help="drafter folder: config.json, model.safetensors, CARD.md")
+    td.add_argument("--max-tokens", type=_positive_int, default=1_000_000, help="corpus size cap (tokens)")
+    td.add_argument("--draft-vocab", type=_non_negative_int, default=8192,
+                    help="rows of the draft head: the most frequent corpus tokens (0: the full vocabulary)")
+    td.add_argument("--chunk-len", type=_positive_int, default=512, help="tokens per target forward (features)")
+    td.add_argument("--steps", type=_positive_int, default=2000)
+    td.add_argument("--batch", type=_positive_int, default=8)
+    td.add_argument("--seq-len", type=_positive_int, default=256, help="pairs per training window")
+    td.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (AdamW)")
+    td.add_argument("--warmup", type=_non_negative_int, default=None, help="warmup steps (default: 5%% of --steps)")
+    td.add_argument("--weight-decay", type=float, default=0.0)
+    td.add_argument("--w-cls", type=float, default=0.1, help="weight of the cross-entropy term (EAGLE: 0.1)")
+    td.add_argument("--noise", type=float, default=0.1, help="uniform noise U(-x, x) on input features (EAGLE: 0.1)")
+    td.add_argument("--grad-clip", type=float, default=0.5)
+    td.add_argument("--seed", type=int, default=0)
+    td.add_argument("--device", default="cpu", help="torch device for the target and the training (cpu, cuda)")
+    td.add_argument("--save-every", type=_positive_int, default=500, help="checkpoint every N steps")
+    td.add_argument("--stop-at", type=_positive_int, default=None,
+                    help="stop after step N with a checkpoint (the schedule still spans --steps); --resume continues")
+    td.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    td.add_argument("--train-head", action="store_true", help="train the draft head too (default: frozen)")
+    td.add_argument("--init", choices=("target", "random"), default="target",
+                    help="target: an identity layer reading with the target's last layer's weights; random: torch's")
+    td.add_argument("--eval-windows", type=_non_negative_int, default=64, help="held-out windows for the loss report")
+    td.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                    help="dtype of the saved drafter weights (training is float32)")
+    td.set_defaults(func=cmd_train_drafter)
     return parser
 
 

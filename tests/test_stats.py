@@ -497,3 +497,51 @@ def test_redis_returns_and_buffered_steps_reconcile(throwaway_redis: ThrowawayRe
     finally:
         store.close()
         reader.close()
+
+
+# -- JSON and time series (what /metrics, /v1/stats and the dashboard read) ------------------------
+def test_snapshot_json_round_trip_is_exact(backend: Backend) -> None:
+    import json
+    import pickle
+
+    store = backend.new()
+    store.record_many([
+        step(k=4, accepted=3, draft_s=0.1, verify_s=0.2), step(k=4, accepted=1, draft_s=0.1, verify_s=0.7),
+        step(domain="m a|th%", drafter="é/x", k=2, accepted=2, context_len=4000),
+        step(drafter=PLAIN, k=0, accepted=0, verify_s=0.3),
+        ShadowRecord("code", "other", context_len=10, start=0, num_proposed=3, num_accepted=1),
+        RequestRecord("code", "ngram", "best", ttft_s=0.05, e2e_s=0.9, fallbacks=("low_speedup",)),
+    ])
+    for snap in (store.snapshot(), store.snapshot(window_s=60)):
+        data = json.loads(json.dumps(snap.to_json()))
+        back = StatsSnapshot.from_json(data)
+        assert back == snap and back.window_s == snap.window_s
+        assert back.counts("code", "ngram").step_s == snap.counts("code", "ngram").step_s == 0.1 + 0.2 + 0.1 + 0.7
+        assert back.histogram("e2e") == snap.histogram("e2e") and back.histogram("e2e").count == 1
+        assert back.shadow_counts("code", "other").drafted_per_position == (1, 1, 1)
+        assert back.mean_verify_s(4) == snap.mean_verify_s(4) and back.fallbacks == {("code", "low_speedup"): 1}
+        pickle.dumps(data)  # what crosses Ray
+    assert StatsSnapshot.from_json(StatsSnapshot(degraded=True).to_json()) == StatsSnapshot(degraded=True)
+
+
+def test_series_one_snapshot_per_bucket(backend: Backend) -> None:
+    store = backend.new(bucket_s=10)
+    store.record(step(k=4, accepted=4))
+    backend.clock.advance(20)
+    store.record_many([step(k=2, accepted=1), RequestRecord("code", "ngram", "best", ttft_s=0.1, e2e_s=0.2)])
+    points = store.series(window_s=30)
+    assert [p.start_s for p in points] == [T0 - 10, T0, T0 + 10, T0 + 20]
+    assert all(p.bucket_s == 10 and p.snapshot.window_s == 10 and not p.snapshot.degraded for p in points)
+    assert [p.snapshot.counts("code", "ngram").num_draft_tokens for p in points] == [0, 4, 0, 2]
+    assert [sum(p.snapshot.decisions.values()) for p in points] == [0, 0, 0, 1]
+    assert [p.start_s for p in store.series(window_s=0)] == [T0 + 20]
+
+
+def test_series_of_unreachable_redis_is_the_local_buffer() -> None:
+    clock = FakeClock()
+    store = RedisStats("redis://127.0.0.1:1/0", clock=clock, bucket_s=10)
+    store.record(step(k=3, accepted=2))
+    points = store.series(window_s=20)
+    assert len(points) == 3 and all(p.snapshot.degraded for p in points)
+    assert [p.snapshot.counts("code", "ngram").num_accepted_tokens for p in points] == [0, 0, 2]
+    store.close()

@@ -19,7 +19,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ray import serve
@@ -107,6 +107,15 @@ class Chunk:
     error: InvalidRequest | None = None
 
 
+@dataclass(frozen=True)
+class PolicyResult:
+    """A replica's answer to a policy update: the version in force, and why a policy was refused."""
+
+    version: str  # the policy in force after the call (the old one when refused)
+    replica: str  # this replica's Serve id: a broadcast's answers count the replicas reached
+    error: str | None = None  # PolicyError's message, naming the field; None: the new policy is in force
+
+
 class InvalidRequest(ValueError):
     """The request cannot be served as asked (HTTP 400): `param` names the request field."""
 
@@ -137,9 +146,11 @@ class TargetWorker:
         self, engine_config: dict[str, Any] | EngineConfig,
         routing_config: dict[str, Any] | RoutingConfig | None = None,
         stats_url: str | None = None,
+        stats_prefix: str | None = None,
     ) -> None:
         """`stats_url`: redis:// URL of the statistics shared with other replicas; None: this
-        replica's own, in memory."""
+        replica's own, in memory. `stats_prefix`: the key prefix of that Redis store (None: the
+        store's default); replicas share statistics exactly when URL and prefix are the same."""
         from policies.stats import make_stats_store
         from workers import engine, routing, sampling  # torch: only where a replica runs
 
@@ -147,7 +158,8 @@ class TargetWorker:
         self.config = EngineConfig.model_validate(engine_config)
         self.engine: SpecEngine = engine.SpecEngine.from_config(self.config)
         routing_config = RoutingConfig.model_validate(routing_config or {})
-        self.router: Router = routing.Router.from_config(self.engine, routing_config, make_stats_store(stats_url))
+        store = make_stats_store(stats_url, **({} if stats_prefix is None else {"prefix": stats_prefix}))
+        self.router: Router = routing.Router.from_config(self.engine, routing_config, store)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specroute-engine")
         self._pending: deque[_Slot] = deque()
         self._active: list[_Slot] = []
@@ -197,6 +209,71 @@ class TargetWorker:
             "num_pending": len(self._pending), "num_active": len(self._active),
             "num_finished": self._num_finished, "num_cancelled": self._num_cancelled,
         }
+
+    # -- observability and policy (control plane; never on the engine thread) -----------------
+    async def observe(self, include_series: bool = False) -> dict[str, Any]:
+        """What /metrics, /v1/stats and the dashboard show, JSON-able (see `_observe`). Off the
+        event loop: a Redis snapshot is a network round trip."""
+        return await asyncio.to_thread(self._observe, include_series)
+
+    def _observe(self, include_series: bool) -> dict[str, Any]:
+        """All-time and windowed (the policy's window) snapshots, the policy's predicted speedup
+        per domain and drafter, measured speedup per domain, the store's health, and the
+        configured names that bound metric labels. With a shared (Redis) store every replica
+        reports the same totals; in memory, its own. `series`: one snapshot per store time
+        bucket over the window, without histograms and costs (the dashboard's time axis)."""
+        from policies.selector import measured_speedup, outlook
+
+        policy, store = self.router.policy, self.router.store
+        window = store.snapshot(window_s=policy.window.seconds)
+        out: dict[str, Any] = {
+            "replica": _replica_id(),
+            "policy_version": policy.version,
+            "domains": list(policy.domains),
+            "drafters": list(self.engine.drafters),
+            "max_draft_len": self.config.max_draft_len,
+            "window_s": policy.window.seconds,
+            "all_time": store.snapshot().to_json(),
+            "window": window.to_json(),
+            "outlook": [asdict(arm) for arm in outlook(window, policy, self.router.costs, self.engine.drafters)],
+            "measured_speedup": {domain: measured_speedup(window, domain) for domain in policy.domains},
+            "store": asdict(store.health()),
+        }
+        if include_series:
+            out["series"] = [
+                {"start_s": p.start_s, "bucket_s": p.bucket_s,
+                 "snapshot": replace(p.snapshot, histograms={}, draft_cost={}, verify_cost={}, shadow={}).to_json()}
+                for p in store.series(policy.window.seconds)
+            ]
+        return out
+
+    def set_policy(self, policy: dict[str, Any]) -> PolicyResult:
+        """Validate and swap in a policy (a parsed YAML/JSON mapping); a bad one is refused with
+        the field named and the running policy stays. PUT /v1/policy broadcasts this."""
+        from policies.schema import PolicyError, load_policy
+
+        try:
+            version = self.router.set_policy(load_policy(policy)).version
+        except PolicyError as e:
+            return PolicyResult(self.router.policy.version, _replica_id(), str(e))
+        return PolicyResult(version, _replica_id())
+
+    def reconfigure(self, user_config: dict[str, Any] | None) -> None:
+        """Serve `user_config: {policy: <mapping, or a path to a policy YAML>}`: applied to every
+        replica, present and future, on `serve deploy`. A bad policy is logged and the running
+        one stays (raising here would fail the whole deploy)."""
+        from pathlib import Path
+
+        from policies.schema import PolicyError, load_policy
+
+        policy = (user_config or {}).get("policy")
+        if policy is None:
+            return
+        try:
+            is_path = isinstance(policy, str) and "\n" not in policy  # else YAML text or a mapping
+            self.router.set_policy(load_policy(Path(policy) if is_path else policy))
+        except PolicyError as e:
+            log.error("user_config policy refused, policy %r stays in force: %s", self.router.policy.version, e)
 
     # -- the step loop --------------------------------------------------------------------------
     def _ensure_loop(self) -> None:
@@ -316,6 +393,13 @@ class TargetWorker:
                 slot.gen.close()
         except Exception:
             log.exception("closing a generation failed")
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (tests that build the class directly)
+        return ""
 
 
 def _safe_delta(text: str, sent: str, stop: tuple[str, ...]) -> str:

@@ -1,0 +1,154 @@
+"""Prometheus exposition (`GET /metrics`), rendered at scrape time from one worker's `observe()`.
+
+There are no process-local counters: every value comes from the stats store, so with the shared
+(Redis) store each replica, and each scrape, reports the same totals; with the in-memory store a
+scrape shows the replica that answered. Names mirror vLLM's spec-decode metrics, prefixed
+`specroute_`. Label values come from the configured lists only (the policy's domains, the
+engine's drafters, k in [0, max_draft_len]): names the store holds beyond those are dropped, so
+label cardinality is bounded by configuration, not by traffic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.utils import floatToGoString
+
+from policies.records import LATENCY_BUCKETS_S, PLAIN, Histogram
+from router.observation import Observation
+
+PREFIX = "specroute_"
+# the classic text format, which generate_latest writes and every Prometheus accepts
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# (store histogram name, metric name, label name or None, help)
+HISTOGRAMS: tuple[tuple[str, str, str | None, str], ...] = (
+    ("ttft", "time_to_first_token_seconds", None, "Time from admission to the first emitted token"),
+    ("itl", "inter_token_latency_seconds", None, "Seconds per emitted token, per step"),
+    ("e2e", "e2e_request_latency_seconds", None, "Request latency, admission to last token"),
+    ("draft", "draft_stage_seconds", "drafter", "Seconds a drafter spent proposing, per step"),
+    ("verify", "verify_stage_seconds", "draft_len", "Seconds of the target forward verifying draft_len tokens"),
+)
+
+
+class SpecRouteCollector:
+    """A prometheus_client collector over one Observation."""
+
+    def __init__(self, obs: Observation) -> None:
+        self.obs = obs
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._spec_decode()
+        yield from self._routing()
+        yield from self._speedup()
+        yield from self._histograms()
+        yield from self._store()
+
+    def _spec_decode(self) -> Iterator[Metric]:
+        labels = ["domain", "drafter"]
+        drafts = CounterMetricFamily(f"{PREFIX}spec_decode_num_drafts", "Steps that proposed >= 1 draft token",
+                                     labels=labels)
+        tokens = CounterMetricFamily(f"{PREFIX}spec_decode_num_draft_tokens", "Draft tokens proposed",
+                                     labels=labels)
+        accepted = CounterMetricFamily(f"{PREFIX}spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                       labels=labels)
+        per_pos = CounterMetricFamily(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each draft position (0-based)",
+                                      labels=[*labels, "position"])
+        for domain in self.obs.domains:
+            for drafter in self.obs.drafters:
+                c = self.obs.all_time.counts(domain, drafter)
+                drafts.add_metric([domain, drafter], c.num_drafts)
+                tokens.add_metric([domain, drafter], c.num_draft_tokens)
+                accepted.add_metric([domain, drafter], c.num_accepted_tokens)
+                for i in range(min(len(c.drafted_per_position), self.obs.max_draft_len)):
+                    n = c.accepted_per_position[i] if i < len(c.accepted_per_position) else 0
+                    per_pos.add_metric([domain, drafter, str(i)], n)
+        yield from (drafts, tokens, accepted, per_pos)
+
+    def _routing(self) -> Iterator[Metric]:
+        domains, drafters = set(self.obs.domains), {*self.obs.drafters, PLAIN}
+        decisions = CounterMetricFamily(f"{PREFIX}routing_decisions", "Requests routed, by the plan's drafter "
+                                        "and why (best, explore, fallback, policy, forced)",
+                                        labels=["domain", "drafter", "reason"])
+        for (domain, drafter, reason), n in sorted(self.obs.all_time.decisions.items()):
+            if domain in domains and drafter in drafters:
+                decisions.add_metric([domain, drafter, reason], n)
+        fallbacks = CounterMetricFamily(f"{PREFIX}fallback", "Switches to plain decoding within requests",
+                                        labels=["domain", "reason"])
+        for (domain, reason), n in sorted(self.obs.all_time.fallbacks.items()):
+            if domain in domains:
+                fallbacks.add_metric([domain, reason], n)
+        info = GaugeMetricFamily(f"{PREFIX}policy_info", "The routing policy in force (value 1)",
+                                 labels=["version"])
+        info.add_metric([self.obs.policy_version], 1)
+        yield from (decisions, fallbacks, info)
+
+    def _speedup(self) -> Iterator[Metric]:
+        domains, drafters = set(self.obs.domains), set(self.obs.drafters)
+        expected = GaugeMetricFamily(f"{PREFIX}expected_speedup", "The policy's predicted speedup over plain "
+                                     "decoding at its best k (statistics window plus priors)",
+                                     labels=["domain", "drafter"])
+        for arm in self.obs.outlook:
+            if arm.domain in domains and arm.drafter in drafters and arm.predicted_speedup is not None:
+                expected.add_metric([arm.domain, arm.drafter], arm.predicted_speedup)
+        measured = GaugeMetricFamily(f"{PREFIX}measured_speedup", "Tokens per second over plain decoding's, "
+                                     "measured over the statistics window", labels=["domain"])
+        for domain in self.obs.domains:
+            value = self.obs.measured_speedup.get(domain)
+            if value is not None:
+                measured.add_metric([domain], value)
+        yield from (expected, measured)
+
+    def _histograms(self) -> Iterator[Metric]:
+        allowed = {
+            "drafter": set(self.obs.drafters),
+            "draft_len": {str(k) for k in range(self.obs.max_draft_len + 1)},
+        }
+        for name, metric, label, help_ in HISTOGRAMS:
+            family = HistogramMetricFamily(f"{PREFIX}{metric}", help_, labels=[label] if label else [])
+            if label is None:
+                hist = self.obs.all_time.histogram(name)
+                family.add_metric([], _buckets(hist), hist.sum_s)
+            else:
+                values = sorted({lab for n, lab in self.obs.all_time.histograms if n == name} & allowed[label],
+                                key=lambda v: (len(v), v))
+                for value in values:
+                    hist = self.obs.all_time.histogram(name, value)
+                    family.add_metric([value], _buckets(hist), hist.sum_s)
+            yield family
+
+    def _store(self) -> Iterator[Metric]:
+        health, labels = self.obs.store, ["backend"]
+        connected = GaugeMetricFamily(f"{PREFIX}stats_store_connected",
+                                      "1 while the statistics store answers (per replica)", labels=labels)
+        connected.add_metric([health.backend], int(health.connected))
+        errors = CounterMetricFamily(f"{PREFIX}stats_store_errors", "Failed statistics store operations "
+                                     "since the replica started", labels=labels)
+        errors.add_metric([health.backend], health.num_errors)
+        pending = GaugeMetricFamily(f"{PREFIX}stats_store_pending_local", "Steps buffered in the replica, "
+                                    "not yet in the shared store", labels=labels)
+        pending.add_metric([health.backend], health.num_pending_local)
+        dropped = CounterMetricFamily(f"{PREFIX}stats_store_dropped", "Steps lost because the local buffer "
+                                      "was full", labels=labels)
+        dropped.add_metric([health.backend], health.num_dropped)
+        yield from (connected, errors, pending, dropped)
+
+
+def _buckets(hist: Histogram) -> list[tuple[str, float]]:
+    """Cumulative (le, count) pairs ending with +Inf, as Prometheus histograms expose them."""
+    out, total = [], 0
+    for edge, n in zip((*LATENCY_BUCKETS_S, float("inf")), hist.counts):
+        total += n
+        out.append((floatToGoString(edge), total))
+    return out
+
+
+def render(obs: Observation) -> bytes:
+    """The Prometheus text exposition of one observation (a fresh registry per scrape)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SpecRouteCollector(obs))
+    return generate_latest(registry)

@@ -1,0 +1,65 @@
+"""The ingress's typed view of `TargetWorker.observe()`: what /metrics, /v1/stats and the dashboard
+render. The worker returns plain JSON-able data (snapshots cross Ray as `StatsSnapshot.to_json()`);
+this module turns it back into value types, once, for every renderer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from policies.records import StatsSnapshot
+from policies.stats import SeriesPoint, StoreHealth
+
+
+@dataclass(frozen=True)
+class ArmView:
+    """The policy's current estimate for one (domain, drafter): the k it would pick and the
+    speedup it predicts there."""
+
+    domain: str
+    drafter: str
+    draft_len: int
+    predicted_speedup: float | None  # None when the estimate is not a finite number
+
+
+@dataclass(frozen=True)
+class Observation:
+    replica: str  # the worker replica that answered
+    policy_version: str
+    domains: tuple[str, ...]  # the policy's domains: the only `domain` label values exposed
+    drafters: tuple[str, ...]  # the engine's drafters: the only `drafter` label values (plus PLAIN)
+    max_draft_len: int
+    window_s: float  # the policy's statistics window
+    all_time: StatsSnapshot
+    window: StatsSnapshot
+    outlook: tuple[ArmView, ...]
+    measured_speedup: Mapping[str, float | None]  # domain -> over the window
+    store: StoreHealth
+    series: tuple[SeriesPoint, ...] = ()  # one per store time bucket of the window, oldest first
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Observation:
+        return cls(
+            replica=data.get("replica", ""),
+            policy_version=data["policy_version"],
+            domains=tuple(data["domains"]),
+            drafters=tuple(data["drafters"]),
+            max_draft_len=int(data["max_draft_len"]),
+            window_s=float(data["window_s"]),
+            all_time=StatsSnapshot.from_json(data["all_time"]),
+            window=StatsSnapshot.from_json(data["window"]),
+            outlook=tuple(ArmView(a["domain"], a["drafter"], int(a["draft_len"]), finite(a["predicted_speedup"]))
+                          for a in data["outlook"]),
+            measured_speedup={d: finite(v) for d, v in data["measured_speedup"].items()},
+            store=StoreHealth(**data["store"]),
+            series=tuple(SeriesPoint(p["start_s"], p["bucket_s"], StatsSnapshot.from_json(p["snapshot"]))
+                         for p in data.get("series", ())),
+        )
+
+
+def finite(value: float | None) -> float | None:
+    """JSON and Prometheus gauges get None (left out) rather than inf or nan."""
+    return value if value is not None and math.isfinite(value) else None

@@ -1,0 +1,200 @@
+"""`specroute train-drafter --kind eagle` end to end on the tiny target (seconds), and its corpus."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from router.cli import main
+from workers.config import EagleDrafterConfig, EngineConfig, TargetConfig
+from workers.drafters.eagle import EagleNet
+from workers.sampling import SamplingParams
+from workers.train.corpus import (
+    CorpusError,
+    build_corpus,
+    parse_sources,
+    read_chat_pairs,
+    render_chat,
+    spec_bench_prompts,
+    stdlib_files,
+)
+from workers.train.features import select_draft_vocab, vocab_coverage
+
+SMALL = ["--data", "pydoc", "--max-tokens", "4000", "--chunk-len", "256", "--seq-len", "64", "--batch", "4",
+         "--lr", "1e-3", "--save-every", "3", "--draft-vocab", "2048"]
+
+
+def train(target: Path, out: Path, *extra: str) -> int:
+    return main(["train-drafter", "--kind", "eagle", "--target", str(target), *SMALL, "--out", str(out), *extra])
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("eagle") / "drafter"
+    assert train(tiny_llama_dir, out, "--steps", "6") == 0
+    return out
+
+
+def record(out: Path) -> dict:
+    return json.loads((out / "config.json").read_text())["specroute_training"]
+
+
+def test_output_is_an_eagle_checkpoint_with_a_card(trained: Path, tiny_llama_dir: Path) -> None:
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    net = EagleNet.load(trained, config["hidden_size"], config["vocab_size"])
+    assert net.lm_head is not None and net.lm_head.weight.shape == (2048, config["hidden_size"])
+    vocab = net.draft_vocab
+    assert len(set(vocab.tolist())) == 2048 and int(vocab.min()) >= 0 and int(vocab.max()) < config["vocab_size"]
+    assert config["eos_token_id"] in vocab[:2].tolist()  # the end-of-sequence token always has a row
+    rec = record(trained)
+    assert rec["step"] == 6 and rec["corpus"]["tokens"] == 4000
+    assert rec["corpus"]["sources"] == {"pydoc": {"documents": rec["corpus"]["sources"]["pydoc"]["documents"], "tokens": 4000}}
+    assert 0.5 < rec["draft_vocab"]["coverage"] <= 1.0 and rec["draft_vocab"]["head"] == "frozen"
+    card = (trained / "CARD.md").read_text()
+    for needle in ("pydoc", "4000", "--steps 6", "Draft vocabulary", "| math_reasoning |", "complete"):
+        assert needle in card
+
+
+def test_training_lowers_the_held_out_loss(trained: Path) -> None:
+    rec = record(trained)
+    before, after = rec["eval_initial"], rec["eval_final"]
+    assert before["pairs"] == after["pairs"] > 0  # the same held-out windows, before and after
+    assert after["loss"] < before["loss"], (before, after)
+    assert after["reg"] < before["reg"]
+
+
+def test_frozen_head_keeps_the_targets_rows(trained: Path, tiny_llama_dir: Path) -> None:
+    weights = load_file(str(trained / "model.safetensors"))
+    target = load_file(str(tiny_llama_dir / "model.safetensors"))
+    lm_head = target.get("lm_head.weight", target["model.embed_tokens.weight"])  # tied
+    torch.testing.assert_close(weights["lm_head.weight"], lm_head[weights["draft_vocab"]])
+
+
+def test_engine_drafts_with_it_and_stays_lossless(trained: Path, tiny_llama_dir: Path) -> None:
+    from workers.engine import SpecEngine
+
+    config = EngineConfig(target=TargetConfig(model=str(tiny_llama_dir), max_model_len=512),
+                          drafters=[EagleDrafterConfig(path=str(trained))])
+    engine = SpecEngine.from_config(config)
+    drafted = 0
+    for text in ("Write a Python function that sorts a list.", "Explain the with statement."):
+        prompt = engine.encode(text)
+        params = SamplingParams(max_tokens=24)
+        plain, spec = engine.generate(prompt, params), engine.generate(prompt, params, "eagle", 4)
+        assert spec.token_ids == plain.token_ids and spec.text == plain.text
+        drafted += spec.num_draft_tokens
+    assert drafted > 0
+
+
+def test_resume_repeats_the_uninterrupted_run(trained: Path, tiny_llama_dir: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "resumed"
+    assert train(tiny_llama_dir, out, "--steps", "6", "--stop-at", "4") == 0
+    assert json.loads((out / "train_state" / "state.json").read_text())["step"] == 4
+    assert "partial: step 4 of 6" in (out / "CARD.md").read_text()
+    capsys.readouterr()
+    assert train(tiny_llama_dir, out, "--steps", "6") == 2  # a run is there: --resume or another --out
+    assert "--resume" in capsys.readouterr().err
+    assert train(tiny_llama_dir, out, "--steps", "6", "--resume", "--noise", "0.2") == 2
+    assert "--noise 0.2" in capsys.readouterr().err
+    assert train(tiny_llama_dir, out, "--steps", "6", "--resume") == 0
+    assert record(out)["step"] == 6 and len(record(out)["sessions"]) == 2
+    got, want = load_file(str(out / "model.safetensors")), load_file(str(trained / "model.safetensors"))
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--kind", "lora"], "unknown drafter kind 'lora'"),
+    (["--kind", "medusa"], "not yet available"),
+    (["--kind", "model"], "not yet available"),
+    (["--data", "pydoc,chat:missing.jsonl"], "missing.jsonl"),
+    (["--data", "wikipedia"], "unknown source 'wikipedia'"),
+    (["--data", ""], "--data is empty"),
+    (["--steps", "4", "--stop-at", "5"], "--stop-at"),
+    ([], "no such directory"),  # the target
+])
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--data", "pydoc", *argv] if "--data" not in argv else argv
+    code = main(["train-drafter", "--target", str(tmp_path / "no-model"), "--out", str(tmp_path / "o"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+# -- corpus ------------------------------------------------------------------------------------------
+def test_stdlib_files_skip_tests_and_site_packages() -> None:
+    files = stdlib_files()
+    assert len(files) > 300 and files == sorted(files)
+    parts = {p for f in files for p in f.parts}
+    assert not {"test", "tests", "idle_test", "site-packages"} & parts
+    assert not any(f.name.startswith("test_") for f in files)
+    assert any(f.name == "functools.py" for f in files)
+
+
+def test_chat_pairs_render_and_refuse_spec_bench(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    bench = tmp_path / "question.jsonl"
+    bench.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["What is  the capital of France?"]}) + "\n")
+    banned = spec_bench_prompts(bench)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"prompt": "Name a prime.", "answer": "7 is prime."}) + "\n\n")
+    assert read_chat_pairs(chat, banned) == [("Name a prime.", "7 is prime.")]
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    text = render_chat(tok, "Name a prime.", "7 is prime.")
+    assert text.index("Name a prime.") < text.index("7 is prime.") and "<|im_start|>assistant" in text
+    chat.write_text(json.dumps({"prompt": "what is the capital of  france?", "answer": "Paris."}) + "\n")
+    with pytest.raises(CorpusError, match=r"chat.jsonl:1: the prompt is a Spec-Bench prompt"):
+        read_chat_pairs(chat, banned)
+    chat.write_text('{"prompt": "x"}\n')
+    with pytest.raises(CorpusError, match=r"chat.jsonl:1: expected an object"):
+        read_chat_pairs(chat)
+    with pytest.raises(CorpusError, match="named twice"):
+        parse_sources("pydoc,pydoc")
+
+
+def test_corpus_is_deterministic_balanced_and_capped(tiny_llama_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    sources = parse_sources("stdlib,pydoc")
+    a, b = build_corpus(sources, tok, 20_000, seed=3), build_corpus(sources, tok, 20_000, seed=3)
+    assert a.documents == b.documents and a.num_tokens == 20_000
+    tokens = {k: v["tokens"] for k, v in a.stats.items()}
+    assert sum(tokens.values()) == 20_000 and min(tokens.values()) > 5_000  # both sources drawn
+    assert build_corpus(sources, tok, 20_000, seed=4).documents != a.documents
+
+
+def test_draft_vocab_is_most_frequent_first() -> None:
+    ids = torch.tensor([5, 5, 5, 2, 2, 9, 7, 7, 7, 7])
+    vocab = select_draft_vocab(ids, 12, 4, first=[11])
+    assert vocab.tolist() == [11, 7, 5, 2]  # forced first, then by count
+    assert select_draft_vocab(ids, 12, 6).tolist() == [7, 5, 2, 9, 0, 1]  # ties and unseen by id
+    assert vocab_coverage(ids, vocab) == pytest.approx(0.9)
+
+
+def test_target_init_starts_as_the_identity(tiny_llama_dir: Path) -> None:
+    from workers.config import ModelConfig
+    from workers.target import load_model
+    from workers.train.eagle import eagle_config_for, init_from_target
+
+    model = load_model(ModelConfig(model=str(tiny_llama_dir))).model
+    vocab = torch.arange(10, 110)
+    net = EagleNet(eagle_config_for(model, len(vocab)))
+    init_from_target(net, model, vocab)
+    feats = torch.randn(2, 7, model.info.hidden_size)
+    embeds = model.embed[torch.randint(0, 1000, (2, 7))]
+    with torch.no_grad():
+        pred = net(embeds, feats, model.cos[:7], model.sin_signed[:7])
+    torch.testing.assert_close(pred, feats)  # fc = [0 | I], zero output projections: f_t passes through
+    q = net.layers[0].self_attn.q_proj.weight
+    torch.testing.assert_close(q, model.layers[-1].qkv.w_t.t()[: q.shape[0]])  # reads like the target's last layer
+    torch.testing.assert_close(net.lm_head.weight, model.lm_head.w_t[:, vocab].t())
+    assert net.draft_vocab.tolist() == vocab.tolist()

@@ -1,0 +1,565 @@
+"""Training an EAGLE-1 drafter head on the target's features (`specroute train-drafter --kind eagle`).
+
+Objective (EAGLE-1, Li et al. 2024): for pairs (f_t, x_{t+1}) predict f_{t+1}, teacher forced:
+  loss = SmoothL1(pred, f_{t+1}) + w_cls * CE(p_target(f_{t+1}), p_draft(pred))
+where p_target is the target's lm_head on the true next feature and p_draft the draft head on the
+predicted one, both over the draft vocabulary (w_cls = 0.1 as in the paper). The input features
+get uniform noise U(-noise, noise) (the paper's U(-0.1, 0.1)) so the head learns to draft from
+its own slightly-off predicted features. No test-time-training unroll (that is EAGLE-3's).
+
+Initialization (so training starts from a sane point, not noise):
+  * fc = [0 | I], bias 0: the layer's input starts as the feature itself;
+  * the decoder layer copies the target's LAST decoder layer where it reads (q/k/v, gate/up, the
+    post-attention norm; EAGLE's layer has no input norm, so the target's is dropped) but its
+    branches' output projections (o_proj, down_proj) start at zero: the layer starts as the identity,
+    pred = f_t, and learns the step to f_{t+1} as residuals. (Copying o/down too adds the last
+    layer's large outputs to a stream of another scale: on SmolLM2-135M the held-out loss starts at
+    ~99 instead of ~1.5, worse than a random layer's ~2.)
+  * the reduced head copies the target's lm_head rows of the draft vocabulary and stays FROZEN
+    by default: the regression then aims at exactly the space the target's head reads, and the
+    head cannot drift from the target's (`--train-head` unfreezes it).
+
+Resumable without pickle: every `save_every` steps OUT/train_state/ gets the model, AdamW's state
+(safetensors) and the step, settings and history (JSON). The data order (a seeded permutation per
+epoch) and the noise (a generator reseeded from (seed, step) at every step) are functions of the
+step, so a resumed run repeats the uninterrupted one exactly. The extracted features are kept
+there too (features.safetensors; delete it when done: a resume then runs the target again).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from workers.config import ModelConfig
+from workers.drafters.eagle import EagleConfig, EagleNet
+from workers.models.llama import FastLlama
+from workers.target import load_model
+from workers.train.corpus import build_corpus, parse_sources
+from workers.train.features import FeatureSet, chunk_documents, extract_features, select_draft_vocab, vocab_coverage
+
+FORMAT = "specroute-eagle-train/1"
+STATE_DIR = "train_state"
+STATE_TENSORS = "state.safetensors"
+STATE_JSON = "state.json"
+FEATURES_FILE = "features.safetensors"
+CARD_FILE = "CARD.md"
+BETAS = (0.9, 0.95)  # EAGLE's AdamW betas
+MIN_LR_RATIO = 0.1  # cosine decay ends at lr * this
+SPEC_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
+                         "translation", "summarization", "qa", "math_reasoning", "rag")
+INIT_TEXT = {
+    "target": "fc = [0 | I] and zero o_proj/down_proj (the layer starts as the identity: pred = f_t); q/k/v, "
+              "gate/up and the post-attention norm from the target's last layer",
+    "random": "torch's default initialization of fc and the decoder layer (seeded)",
+}
+INITS = tuple(INIT_TEXT)
+_SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TrainError(ValueError):
+    """A user error in the training settings or state; the message names the setting or file."""
+
+
+@dataclass(frozen=True)
+class EagleTrainArgs:
+    target: str
+    data: str
+    out: str
+    max_tokens: int = 1_000_000
+    draft_vocab: int = 8192  # 0: the target's full vocabulary
+    chunk_len: int = 512  # tokens per target forward during feature extraction
+    steps: int = 2000
+    batch: int = 8
+    seq_len: int = 256  # pairs per training window
+    lr: float = 1e-4
+    warmup: int | None = None  # None: 5% of steps (1 .. 1000)
+    weight_decay: float = 0.0
+    w_cls: float = 0.1
+    noise: float = 0.1  # half-width of the uniform noise on input features
+    grad_clip: float = 0.5
+    seed: int = 0
+    device: str = "cpu"
+    save_every: int = 500
+    stop_at: int | None = None  # stop (with a checkpoint) after this step; --resume continues
+    train_head: bool = False
+    init: str = "target"  # "target": identity layer reading with the target's last layer; "random": torch's init
+    eval_windows: int = 64  # held-out windows (at most a tenth of all), never trained on
+    save_dtype: str = "float32"
+    resume: bool = False
+    command: str = ""
+
+    def warmup_steps(self) -> int:
+        return self.warmup if self.warmup is not None else max(1, min(1000, round(0.05 * self.steps)))
+
+
+# settings that define the run: a resume must not change them (steps, stop_at, save_every, device may change)
+RESUME_MUST_MATCH = ("target", "data", "max_tokens", "draft_vocab", "chunk_len", "batch", "seq_len", "lr", "warmup",
+                     "weight_decay", "w_cls", "noise", "grad_clip", "seed", "train_head", "init", "eval_windows")
+
+
+def lr_at(step: int, args: EagleTrainArgs) -> float:
+    """Linear warmup, then cosine decay to MIN_LR_RATIO * lr at args.steps."""
+    warm = args.warmup_steps()
+    if step < warm:
+        return args.lr * (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, args.steps - warm))
+    return args.lr * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def noise_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step) % (2**63)
+
+
+# -- model ------------------------------------------------------------------------------------------
+def eagle_config_for(model: FastLlama, draft_vocab_size: int | None) -> EagleConfig:
+    hidden = model.info.hidden_size
+    if model.head_dim * model.num_heads != hidden:
+        raise TrainError(f"the target's head_dim {model.head_dim} x {model.num_heads} heads is not its hidden size "
+                         f"{hidden}; the EAGLE layer assumes head_dim = hidden / heads")
+    return EagleConfig(
+        hidden_size=hidden, num_attention_heads=model.num_heads, num_key_value_heads=model.num_kv_heads,
+        intermediate_size=model.layers[-1].down.w_t.shape[0], vocab_size=model.info.vocab_size,
+        rms_norm_eps=model.eps, bias=True, draft_vocab_size=draft_vocab_size,
+    )
+
+
+@torch.no_grad()
+def init_from_target(net: EagleNet, model: FastLlama, vocab: torch.Tensor | None) -> None:
+    """fc = [0 | I] and zero output projections (the first forward passes f_t through); q/k/v,
+    gate/up and the post-attention norm from the target's last layer; the head = the target's rows."""
+    cfg = net.cfg
+    h, nq, nkv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    net.fc.weight.zero_()
+    net.fc.weight[:, h:] = torch.eye(h)
+    if net.fc.bias is not None:
+        net.fc.bias.zero_()
+    last, layer = model.layers[-1], net.layers[0]
+    qkv = last.qkv.w_t.t().float()  # Linear keeps W^T: [in, out]
+    layer.self_attn.q_proj.weight.copy_(qkv[:nq])
+    layer.self_attn.k_proj.weight.copy_(qkv[nq : nq + nkv])
+    layer.self_attn.v_proj.weight.copy_(qkv[nq + nkv :])
+    gate, up = last.gate_up.w_t.t().float().chunk(2, dim=0)
+    layer.mlp.gate_proj.weight.copy_(gate)
+    layer.mlp.up_proj.weight.copy_(up)
+    layer.post_attention_layernorm.weight.copy_(last.post_norm)
+    # the branches' output projections start at zero: the target's own o/down write into a residual
+    # stream of another scale (on SmolLM2 a verbatim copy starts at loss ~99 against ~1.5 for this)
+    layer.self_attn.o_proj.weight.zero_()
+    layer.mlp.down_proj.weight.zero_()
+    init_head(net, model, vocab)
+
+
+@torch.no_grad()
+def init_head(net: EagleNet, model: FastLlama, vocab: torch.Tensor | None) -> None:
+    """The reduced head: the target's lm_head rows of the draft vocabulary."""
+    if net.lm_head is not None:
+        assert vocab is not None
+        net.lm_head.weight.copy_(model.lm_head.w_t[:, vocab.to(model.device)].t())
+        net.draft_vocab.copy_(vocab)
+
+
+# -- data -------------------------------------------------------------------------------------------
+@dataclass
+class Batch:
+    inputs: torch.Tensor  # [B, T, h] f_t
+    next_ids: torch.Tensor  # [B, T] x_{t+1}
+    targets: torch.Tensor  # [B, T, h] f_{t+1}
+    mask: torch.Tensor  # [B, T] bool: a real pair (windows shorter than T are padded at the end)
+
+
+def gather(fs: FeatureSet, windows: list[tuple[int, int]], device: torch.device) -> Batch:
+    t = max(n for _, n in windows)
+    offsets = torch.arange(t + 1)
+    idx = torch.stack([first + offsets.clamp(max=n) for first, n in windows])  # padding repeats a valid row
+    feats = fs.features[idx].to(device=device, dtype=torch.float32)  # [B, T + 1, h]
+    mask = torch.stack([offsets[:t] < n for _, n in windows]).to(device)
+    return Batch(feats[:, :-1], fs.ids[idx[:, 1:]].to(device), feats[:, 1:], mask)
+
+
+def split_windows(windows: list[tuple[int, int]], eval_windows: int, seed: int) -> tuple[list, list]:
+    """(held out, train): at most eval_windows and a tenth of all are held out, chosen by the seed."""
+    n_eval = min(eval_windows, len(windows) // 10) if eval_windows > 0 else 0
+    if eval_windows > 0 and n_eval == 0 and len(windows) >= 2:
+        n_eval = 1
+    perm = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed)).tolist()
+    held = set(perm[:n_eval])
+    return ([w for i, w in enumerate(windows) if i in held], [w for i, w in enumerate(windows) if i not in held])
+
+
+class Batcher:
+    """Sample i of the run is window perm_epoch[i mod n], epoch = i // n: a function of the step."""
+
+    def __init__(self, windows: list[tuple[int, int]], batch: int, seed: int) -> None:
+        self.windows, self.batch, self.seed = windows, batch, seed
+        self._epoch, self._perm = -1, []
+
+    def at(self, step: int) -> list[tuple[int, int]]:
+        out = []
+        for i in range(step * self.batch, (step + 1) * self.batch):
+            epoch, j = divmod(i, len(self.windows))
+            if epoch != self._epoch:
+                g = torch.Generator().manual_seed(self.seed * 7919 + epoch + 1)
+                self._epoch, self._perm = epoch, torch.randperm(len(self.windows), generator=g).tolist()
+            out.append(self.windows[self._perm[j]])
+        return out
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.batch / len(self.windows)
+
+
+# -- loss -------------------------------------------------------------------------------------------
+@dataclass
+class TargetParts:
+    """What the loss borrows from the target (never trained)."""
+
+    embed: torch.Tensor  # [vocab, h], the target's dtype
+    head_t: torch.Tensor  # [h, V] float32: the target's lm_head over the draft vocabulary
+    cos: torch.Tensor  # [seq_len, d] float32
+    sin: torch.Tensor  # [seq_len, d] float32, signed form
+
+
+def eagle_loss(
+    net: EagleNet, parts: TargetParts, batch: Batch, w_cls: float, noise: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    feats = batch.inputs
+    if noise > 0:
+        u = torch.rand(feats.shape, generator=generator, device=feats.device, dtype=feats.dtype)
+        feats = feats + (2 * u - 1) * noise
+    t = feats.shape[1]
+    pred = net(parts.embed[batch.next_ids].float(), feats, parts.cos[:t], parts.sin[:t])[batch.mask]  # [M, h]
+    target = batch.targets[batch.mask]
+    reg = F.smooth_l1_loss(pred, target, reduction="none").mean(-1).mean()
+    with torch.no_grad():
+        p = torch.softmax(target @ parts.head_t, dim=-1)  # the target's distribution over the draft vocab
+    draft_head_t = net.lm_head.weight.t() if net.lm_head is not None else parts.head_t
+    logits = pred @ draft_head_t
+    cls = -(p * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+    loss = reg + w_cls * cls
+    with torch.no_grad():
+        acc = (logits.argmax(-1) == p.argmax(-1)).float().mean()
+    return loss, {"loss": loss.item(), "reg": reg.item(), "cls": cls.item(), "top1": acc.item(), "n": pred.shape[0]}
+
+
+@torch.no_grad()
+def evaluate(net: EagleNet, parts: TargetParts, fs: FeatureSet, windows: list, batch: int, w_cls: float,
+             device: torch.device) -> dict[str, float] | None:
+    """Loss terms and top-1 agreement (draft argmax == target argmax) on held-out windows, no noise."""
+    if not windows:
+        return None
+    sums: dict[str, float] = {"loss": 0.0, "reg": 0.0, "cls": 0.0, "top1": 0.0}
+    total = 0
+    for i in range(0, len(windows), batch):
+        _, stats = eagle_loss(net, parts, gather(fs, windows[i : i + batch], device), w_cls)
+        for k in sums:
+            sums[k] += stats[k] * stats["n"]
+        total += int(stats["n"])
+    return {k: round(v / total, 6) for k, v in sums.items()} | {"pairs": total}
+
+
+# -- state ------------------------------------------------------------------------------------------
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def save_state(state_dir: Path, net: EagleNet, opt: torch.optim.Optimizer, record: dict[str, Any]) -> None:
+    """Model + AdamW state as safetensors, the rest as JSON (written last: it commits the checkpoint)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    sd = opt.state_dict()
+    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
+    for i, st in sd["state"].items():
+        tensors |= {f"optim.{i}.{k}": torch.as_tensor(v).detach().cpu().contiguous() for k, v in st.items()}
+    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in sd["param_groups"]]
+    tmp = state_dir / (STATE_TENSORS + ".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(state_dir / STATE_TENSORS)
+    _atomic_write_text(state_dir / STATE_JSON, json.dumps({**record, "param_groups": groups}, indent=1) + "\n")
+
+
+def load_state(state_dir: Path, net: EagleNet, opt: torch.optim.Optimizer) -> None:
+    record = json.loads((state_dir / STATE_JSON).read_text())
+    tensors = load_file(str(state_dir / STATE_TENSORS))
+    net.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, v in tensors.items():
+        if key.startswith("optim."):
+            _, i, name = key.split(".", 2)
+            state.setdefault(int(i), {})[name] = v
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in record["param_groups"]]
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+# -- the run ----------------------------------------------------------------------------------------
+def _check_args(args: EagleTrainArgs) -> None:
+    for name in ("max_tokens", "chunk_len", "steps", "batch", "seq_len", "save_every"):
+        if getattr(args, name) <= 0:
+            raise TrainError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.chunk_len < 2:
+        raise TrainError("--chunk-len must be at least 2 (one pair)")
+    if args.draft_vocab < 0:
+        raise TrainError(f"--draft-vocab must be >= 0 (0: the full vocabulary), got {args.draft_vocab}")
+    if args.lr <= 0 or args.noise < 0 or args.w_cls < 0 or args.grad_clip <= 0:
+        raise TrainError("--lr and --grad-clip must be positive, --noise and --w-cls non-negative")
+    if args.stop_at is not None and not 0 < args.stop_at <= args.steps:
+        raise TrainError(f"--stop-at must be in 1..--steps ({args.steps}), got {args.stop_at}")
+    if args.init not in INITS:
+        raise TrainError(f"--init must be one of {', '.join(INITS)}")
+    if args.save_dtype not in _SAVE_DTYPES:
+        raise TrainError(f"--save-dtype must be one of {', '.join(_SAVE_DTYPES)}")
+
+
+def _device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise TrainError(f"--device: unknown device {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrainError(f"--device {name}: CUDA is not available")
+    return device
+
+
+def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train (or resume) an EAGLE-1 head; writes the drafter, CARD.md and train_state/ under args.out.
+    Returns the training record (also in config.json under `specroute_training`)."""
+    _check_args(args)
+    out = Path(args.out)
+    state_dir = out / STATE_DIR
+    saved: dict[str, Any] | None = None
+    if args.resume:
+        if not (state_dir / STATE_JSON).is_file():
+            raise TrainError(f"--resume: no training state at {state_dir / STATE_JSON}")
+        saved = json.loads((state_dir / STATE_JSON).read_text())
+        diffs = [f"--{k.replace('_', '-')} {getattr(args, k)!r} (the run has {saved['args'].get(k)!r})"
+                 for k in RESUME_MUST_MATCH if saved["args"].get(k) != getattr(args, k)]
+        if diffs:
+            raise TrainError("--resume must keep the run's settings: " + "; ".join(diffs))
+    elif (state_dir / STATE_JSON).is_file():
+        step = json.loads((state_dir / STATE_JSON).read_text()).get("step")
+        raise TrainError(f"{out} holds a training run already (at step {step}): --resume continues it, "
+                         "or choose another --out")
+    sources = parse_sources(args.data)  # bad sources fail before the target loads
+    device = _device(args.device)
+
+    loaded = load_model(ModelConfig(model=args.target, device=args.device))
+    model = loaded.model
+    if not isinstance(model, FastLlama):
+        raise TrainError(f"--target {args.target}: EAGLE trains on the fast Llama backend's features; "
+                         "this architecture is not supported")
+    if args.chunk_len > model.info.max_position:
+        raise TrainError(f"--chunk-len {args.chunk_len} exceeds the target's {model.info.max_position} positions")
+
+    features_path = state_dir / FEATURES_FILE
+    if args.resume and features_path.is_file():
+        fs = FeatureSet.load(features_path)
+        log(f"features: {fs.num_tokens} tokens from {features_path}")
+    else:
+        if args.resume:
+            log(f"{features_path} is gone: running the target over the corpus again")
+        corpus = build_corpus(sources, loaded.tokenizer, args.max_tokens, args.seed)
+        if corpus.num_tokens < 2:
+            raise TrainError(f"--data {args.data}: the corpus is empty")
+        fs = extract_features(model, chunk_documents(corpus.documents, args.chunk_len))
+        fs.meta["sources"] = corpus.stats
+        fs.save(features_path)
+        log(f"features: {fs.num_tokens} tokens in {fs.meta['extract_s']} s ({fs.meta['tokens_per_s']} tokens/s)")
+    if fs.features.shape[1] != model.info.hidden_size:
+        raise TrainError(f"{features_path}: features of size {fs.features.shape[1]}, the target's hidden size is "
+                         f"{model.info.hidden_size}; delete the file to extract them again")
+
+    vocab_size = model.info.vocab_size
+    vocab = None
+    if 0 < args.draft_vocab < vocab_size:
+        vocab = select_draft_vocab(fs.ids, vocab_size, args.draft_vocab, sorted(model.info.eos_token_ids))
+    coverage = vocab_coverage(fs.ids, vocab) if vocab is not None else 1.0
+
+    torch.manual_seed(args.seed)  # --init random: torch's default initialization, reproducible
+    net = EagleNet(eagle_config_for(model, None if vocab is None else len(vocab)))
+    if args.init == "target":
+        init_from_target(net, model, vocab)
+    else:
+        init_head(net, model, vocab)
+    net.to(device)
+    if net.lm_head is not None:
+        net.lm_head.weight.requires_grad_(args.train_head)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=args.lr, betas=BETAS,
+                            weight_decay=args.weight_decay)
+    head_t = model.lm_head.w_t if vocab is None else model.lm_head.w_t[:, vocab.to(model.device)]
+    max_t = min(args.seq_len, args.chunk_len - 1)
+    parts = TargetParts(
+        embed=model.embed.to(device), head_t=head_t.to(device=device, dtype=torch.float32),
+        cos=model.cos[:max_t].to(device=device, dtype=torch.float32),
+        sin=model.sin_signed[:max_t].to(device=device, dtype=torch.float32),
+    )
+    held_out, train_windows = split_windows(fs.windows(args.seq_len), args.eval_windows, args.seed)
+    if not train_windows:
+        raise TrainError(f"--data {args.data}: too little text to train on ({fs.num_tokens} tokens)")
+
+    record: dict[str, Any]
+    if saved is not None:
+        load_state(state_dir, net, opt)
+        record = {k: v for k, v in saved.items() if k != "param_groups"}
+        record["args"] = {**asdict(args), "resume": False}
+        record["sessions"] = [*record.get("sessions", []), args.command]
+    else:
+        record = {
+            "format": FORMAT, "step": 0, "args": {**asdict(args), "resume": False}, "sessions": [args.command],
+            "train_s": 0.0, "history": [],
+            "corpus": {"sources": fs.meta.get("sources", {}), "tokens": fs.num_tokens,
+                       "chunks": int(fs.bounds.shape[0] - 1), "extract_s": fs.meta.get("extract_s"),
+                       "extract_tokens_per_s": fs.meta.get("tokens_per_s"), "extract_device": fs.meta.get("device")},
+            "windows": {"train": len(train_windows), "held_out": len(held_out), "seq_len": args.seq_len},
+            "draft_vocab": {"size": vocab_size if vocab is None else len(vocab), "coverage": round(coverage, 6)},
+            "eval_initial": evaluate(net, parts, fs, held_out, args.batch, args.w_cls, device),
+        }
+    record["draft_vocab"]["head"] = ("the target's own lm_head" if vocab is None
+                                     else "trainable" if args.train_head else "frozen")
+
+    start_step, stop = record["step"], min(args.steps, args.stop_at or args.steps)
+    if start_step >= stop:
+        log(f"the run is at step {start_step} already; --steps {args.steps} leaves nothing to train")
+    batcher = Batcher(train_windows, args.batch, args.seed)
+    generator = torch.Generator(device=device)
+    params = [p for p in net.parameters() if p.requires_grad]
+    sums, n_sum, session_start = {"loss": 0.0, "reg": 0.0, "cls": 0.0, "top1": 0.0}, 0, time.perf_counter()
+
+    def checkpoint(step: int) -> None:
+        nonlocal sums, n_sum, session_start
+        now = time.perf_counter()
+        record["train_s"] = round(record["train_s"] + now - session_start, 3)
+        session_start = now
+        entry: dict[str, Any] = {"step": step, "lr": lr_at(step - 1, args), "epoch": round(batcher.epoch_of(step), 4)}
+        if n_sum:
+            entry["train"] = {k: round(v / n_sum, 6) for k, v in sums.items()}
+        entry["eval"] = evaluate(net, parts, fs, held_out, args.batch, args.w_cls, device)
+        record["history"].append(entry)
+        record["step"] = step
+        record["updated"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        save_state(state_dir, net, opt, record)
+        write_drafter(out, net, record, args)
+        held = entry["eval"]
+        log(f"step {step}/{args.steps}: " + ", ".join(f"{k} {v:.4f}" for k, v in (entry.get("train") or {}).items())
+            + (f"; held out loss {held['loss']:.4f} top1 {held['top1']:.4f}" if held else ""))
+        sums, n_sum = dict.fromkeys(sums, 0.0), 0
+        session_start = time.perf_counter()  # evaluation and writing are not training time
+
+    net.train()
+    with tqdm(total=stop, initial=start_step, unit="step", desc="eagle", disable=None) as bar:
+        for step in range(start_step, stop):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, args)
+            batch = gather(fs, batcher.at(step), device)
+            generator.manual_seed(noise_seed(args.seed, step))
+            loss, stats = eagle_loss(net, parts, batch, args.w_cls, args.noise, generator)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+            opt.step()
+            for k in sums:
+                sums[k] += stats[k]
+            n_sum += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats['loss']:.4f}", top1=f"{stats['top1']:.3f}")
+            if (step + 1) % args.save_every == 0 and step + 1 < stop:
+                checkpoint(step + 1)
+    if start_step < stop or not (out / "config.json").is_file():
+        checkpoint(stop)
+    return record
+
+
+def write_drafter(out: Path, net: EagleNet, record: dict[str, Any], args: EagleTrainArgs) -> None:
+    """The drafter in the EAGLE layout (config.json + model.safetensors) and its CARD.md."""
+    cpu = copy.deepcopy(net).to("cpu")
+    cpu.to(_SAVE_DTYPES[args.save_dtype])  # floating tensors only: draft_vocab stays int64
+    summary = {k: record[k] for k in ("format", "step", "train_s", "corpus", "draft_vocab", "eval_initial")}
+    summary |= {"steps": args.steps, "eval_final": (record["history"][-1]["eval"] if record["history"] else None),
+                "train_final": (record["history"][-1].get("train") if record["history"] else None),
+                "target": args.target, "data": args.data, "sessions": record["sessions"]}
+    cpu.save(out, extra_config={"specroute_training": summary})
+    _atomic_write_text(out / CARD_FILE, render_card(record, args, net.cfg))
+
+
+def _fmt_eval(ev: dict[str, float] | None) -> str:
+    if not ev:
+        return "n/a"
+    return f"loss {ev['loss']:.4f} (SmoothL1 {ev['reg']:.4f}, CE {ev['cls']:.4f}), top-1 agreement {ev['top1']:.4f}"
+
+
+def render_card(record: dict[str, Any], args: EagleTrainArgs, cfg: EagleConfig) -> str:
+    corpus, vocab = record["corpus"], record["draft_vocab"]
+    last = record["history"][-1] if record["history"] else {}
+    sources = "\n".join(f"| `{label}` | {s['documents']} | {s['tokens']} |" for label, s in corpus["sources"].items())
+    categories = "\n".join(f"| {c} | | | |" for c in SPEC_BENCH_CATEGORIES)
+    status = "complete" if record["step"] >= args.steps else f"partial: step {record['step']} of {args.steps}"
+    sessions = "\n".join(f"  - `{c}`" for c in record["sessions"])
+    tps = corpus.get("extract_tokens_per_s")
+    params = sum(p.numel() for n, p in EagleNet(cfg).named_parameters() if not n.startswith("lm_head"))
+    return f"""# EAGLE-1 drafter for `{args.target}`
+
+A one-layer EAGLE-1 head that drafts from the target's final-norm hidden states. Load it with
+
+```yaml
+drafters:
+  - {{kind: eagle, name: eagle, path: {args.out}, draft_len: 4}}
+```
+
+- Status: {status} ({record['updated']})
+- Commands (one per session; `--resume` continues):
+{sessions}
+- Training time: {record['train_s']:.1f} s of steps over {record['step']} steps; features: {corpus['tokens']} tokens
+  in {corpus.get('extract_s')} s ({tps} tokens/s on {corpus.get('extract_device')})
+- Parameters: {params:,} (fc + decoder layer) + the draft head {vocab['size']} x {cfg.hidden_size} ({vocab['head']})
+
+## Data (never Spec-Bench)
+
+| source | documents | tokens |
+|---|---|---|
+{sources}
+
+{corpus['chunks']} chunks of at most {args.chunk_len} tokens, teacher forced through the target (no
+generation). Training windows of at most {args.seq_len} pairs: {record['windows']['train']} trained on,
+{record['windows']['held_out']} held out (never trained on) for the numbers below.
+
+## Draft vocabulary
+
+{vocab['size']} token ids (`draft_vocab`; the most frequent in the corpus, the target's end-of-sequence
+tokens first); they cover **{vocab['coverage']:.2%}** of the corpus tokens. Head: the target's lm_head rows
+for them, {vocab['head']}.
+
+## Objective and settings
+
+EAGLE-1: SmoothL1(predicted f_t+1, f_t+1) + {args.w_cls} x cross-entropy(target's distribution on the
+true feature, head's distribution on the predicted one), over the draft vocabulary; input features get
+uniform noise U(-{args.noise}, {args.noise}). AdamW (betas {BETAS}, weight decay {args.weight_decay}), lr
+{args.lr} with {args.warmup_steps()} warmup steps and cosine decay to {MIN_LR_RATIO} x lr at {args.steps}
+steps, gradient clipping {args.grad_clip}, batch {args.batch} x {args.seq_len}, seed {args.seed}.
+Initialization (`--init {args.init}`): {INIT_TEXT[args.init]}.
+
+## Results (held-out windows)
+
+- Before training: {_fmt_eval(record.get('eval_initial'))}
+- After step {record['step']}: {_fmt_eval(last.get('eval'))}
+- Last training average: {_fmt_eval(last.get('train')) if last.get('train') else 'n/a'}
+
+## Mean accepted tokens per step (MAT) on Spec-Bench, greedy
+
+To be filled in by `specroute bench` (draft_len and the number of prompts per category in the columns).
+
+| category | MAT | k | prompts |
+|---|---|---|---|
+{categories}
+"""
