@@ -10,6 +10,8 @@ Weights come from a loaded transformers model, so every checkpoint format it rea
 
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -68,26 +70,78 @@ class _Layer:
     down: Linear  # intermediate -> hidden
 
 
-# Below this many rows a product streams the weight once (x @ W_t); from it on, MKL's packed
-# GEMM keeps the arithmetic units busy (measured: docs/benchmarks.md, verification cost).
-_PACKED_MIN_ROWS = 3
+# A product's best kernel depends on the machine and on the number of rows (1 for a decode step,
+# 1 + k to verify a draft): MKL's packed GEMM wins on some Intel parts, oneDNN on AMD (measured
+# 3x on the lm_head at 8 rows, docs/benchmarks.md), a plain x @ W_t for one row almost anywhere.
+# So each weight shape is timed once per process on the kernels available, per row bucket.
+_ROW_BUCKETS = (1, 3, 8, 17)  # representative rows; a product takes the bucket of the first >= its rows
+_KERNELS = ("stream", "dnnl", "mkl")
+_MKL_MARGIN = 0.9  # MKL's packed copy doubles the weight's memory: take it only when clearly faster
 _PACK_ROWS_HINT = 16
 
 
-class Linear:
-    """y = x @ W.T with the kernel chosen by the number of rows; W is never stored as given."""
+def _bucket(rows: int) -> int:
+    return next((i for i, n in enumerate(_ROW_BUCKETS) if rows <= n), len(_ROW_BUCKETS) - 1)
 
-    def __init__(self, weight: torch.Tensor) -> None:  # weight: [out, in]
+
+def _available(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    if device.type != "cpu" or dtype != torch.float32:
+        return ("stream",)
+    kernels = ["stream"]
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        kernels.append("dnnl")
+    if torch.backends.mkl.is_available():
+        kernels.append("mkl")
+    return tuple(kernels)
+
+
+@functools.cache
+def _kernel_plan(out_features: int, in_features: int, kernels: tuple[str, ...]) -> tuple[str, ...]:
+    """The fastest kernel per row bucket for this weight shape, timed on random data."""
+    if len(kernels) == 1:
+        return kernels * len(_ROW_BUCKETS)
+    w = torch.randn(out_features, in_features)
+    lin = Linear(w, plan=kernels * len(_ROW_BUCKETS), keep_packed="mkl" in kernels)
+    reps = max(1, min(8, int(2e7 // (out_features * in_features))))  # ~ the same time for every shape
+    plan = []
+    for rows in _ROW_BUCKETS:
+        x = torch.randn(rows, in_features)
+        best: dict[str, float] = {}
+        for kernel in kernels:
+            lin.run(kernel, x)  # warm up
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                lin.run(kernel, x)
+            best[kernel] = (time.perf_counter() - t0) / reps
+        fastest = min(best, key=best.get)
+        if fastest == "mkl" and best["mkl"] > _MKL_MARGIN * min(t for k, t in best.items() if k != "mkl"):
+            fastest = min((k for k in best if k != "mkl"), key=best.get)
+        plan.append(fastest)
+    return tuple(plan)
+
+
+class Linear:
+    """y = x @ W.T with the kernel chosen per number of rows; W is stored once, transposed
+    ([in, out] contiguous: one row streams it), plus MKL's packed copy only when it is used."""
+
+    def __init__(self, weight: torch.Tensor, plan: tuple[str, ...] | None = None, keep_packed: bool = False) -> None:
         self.w_t = weight.t().contiguous()  # [in, out]
+        if plan is None:
+            plan = _kernel_plan(weight.shape[0], weight.shape[1], _available(weight.device, weight.dtype))
+        self.plan = plan
         self.packed: torch.Tensor | None = None
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkl.is_available():
+        if keep_packed or "mkl" in plan:
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACK_ROWS_HINT)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, in] -> [n, out]
-        if self.packed is not None and x.shape[0] >= _PACKED_MIN_ROWS:
-            # the original weight argument is only read for its shape: a view of w_t serves
+    def run(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == "dnnl":  # oneDNN reads the [out, in] view of w_t without copying it
+            return torch.ops.mkldnn._linear_pointwise(x, self.w_t.t(), None, "none", [], "")
+        if kernel == "mkl":  # the original weight argument is only read for its shape
             return torch.ops.mkl._mkl_linear(x, self.packed, self.w_t.t(), None, x.shape[0])
         return x @ self.w_t
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, in] -> [n, out]
+        return self.run(self.plan[_bucket(x.shape[0])], x)
 
 
 class FastLlama:
