@@ -76,7 +76,7 @@ class _Layer:
 # So each weight shape is timed once per process on the kernels available, per row bucket.
 _ROW_BUCKETS = (1, 3, 8, 17)  # representative rows; a product takes the bucket of the first >= its rows
 _KERNELS = ("stream", "dnnl", "mkl")
-_MKL_MARGIN = 0.9  # MKL's packed copy doubles the weight's memory: take it only when clearly faster
+_MARGIN = 0.85  # a later kernel must be this much faster than the one chosen so far
 _PACK_ROWS_HINT = 16
 
 
@@ -113,10 +113,13 @@ def _kernel_plan(out_features: int, in_features: int, kernels: tuple[str, ...]) 
             for _ in range(reps):
                 lin.run(kernel, x)
             best[kernel] = (time.perf_counter() - t0) / reps
-        fastest = min(best, key=best.get)
-        if fastest == "mkl" and best["mkl"] > _MKL_MARGIN * min(t for k, t in best.items() if k != "mkl"):
-            fastest = min((k for k in best if k != "mkl"), key=best.get)
-        plan.append(fastest)
+        # a kernel replaces the simpler one before it only when clearly faster: timing noise must
+        # not flip plans between processes (and the packed copy costs memory)
+        choice = "stream"
+        for kernel in kernels[1:]:
+            if best[kernel] < _MARGIN * best[choice]:
+                choice = kernel
+        plan.append(choice)
     return tuple(plan)
 
 
