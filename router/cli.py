@@ -158,6 +158,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_load(args: argparse.Namespace) -> int:
+    from bench.load import LoadArgs, run_load, write_load_report
+    from bench.prompts import load_prompts
+
+    if not args.prompts.is_file():
+        raise CLIError(f"--prompts: no file {args.prompts}")
+    modes = [m.strip() for m in args.speculation.split(",") if m.strip()]
+    if not modes:
+        raise CLIError("--speculation is empty")
+    try:
+        prompts = load_prompts(args.prompts, args.per_category, None, args.heldout_mod)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    runs = []
+    for mode in modes:
+        print(f"load: {args.clients} clients, {args.duration:g} s, speculation {mode} ...", file=sys.stderr)
+        runs.append(run_load(LoadArgs(args.url.rstrip("/"), prompts, args.clients, args.duration, args.max_tokens,
+                                      mode, args.model)))
+    report = write_load_report(runs, args.out, " ".join(sys.argv))
+    print(report.read_text())
+    return 0 if all(r["errors"] == 0 for r in runs) else 1
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from router.serve import serve
 
@@ -285,6 +308,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--heldout-mod", type=_positive_int, default=None,
                        help="only question_id %% N == 0: the split the classifier never trained on")
     bench.set_defaults(func=cmd_bench)
+
+    load = sub.add_parser("load", help="concurrent streaming clients against a running server")
+    load.add_argument("--url", default="http://127.0.0.1:8000")
+    load.add_argument("--prompts", type=Path, required=True, help="JSONL in Spec-Bench's format")
+    load.add_argument("--per-category", type=_positive_int, default=5)
+    load.add_argument("--heldout-mod", type=_positive_int, default=None)
+    load.add_argument("--clients", type=_positive_int, default=8)
+    load.add_argument("--duration", type=float, default=60.0, help="seconds per mode")
+    load.add_argument("--max-tokens", type=_positive_int, default=128)
+    load.add_argument("--speculation", default="none,auto", help="comma-separated modes, run one after another")
+    load.add_argument("--model", default=None)
+    load.add_argument("--out", type=Path, required=True)
+    load.set_defaults(func=cmd_load)
 
     policy = sub.add_parser("policy", help="routing policy tools")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True)

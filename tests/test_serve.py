@@ -352,3 +352,20 @@ def test_worker_errors_map_to_openai_errors() -> None:
         "too long", "messages", "context_length_exceeded", "invalid_request_error")
     crash = _as_api_error(RuntimeError("boom"))
     assert crash.status == 500 and crash.body.error.type == "internal_error"
+
+
+def test_load_run_against_the_app(base_url: str, tmp_path: Path) -> None:
+    """`specroute load`'s client on the real app: concurrent streams, no errors, timings in
+    order, a report per mode."""
+    from bench.load import LoadArgs, run_load, write_load_report
+    from bench.prompts import BenchPrompt
+
+    prompts = [BenchPrompt(i, "chat", text) for i, text in enumerate(["Hello there", "Count to five", "Say hi"])]
+    runs = [run_load(LoadArgs(base_url, prompts, clients=3, duration_s=2.0, max_tokens=8, speculation=mode,
+                              model=MODEL)) for mode in ("none", "auto")]
+    for run in runs:
+        assert run["errors"] == 0 and run["requests"] >= 3, run
+        assert run["completion_tokens"] > 0 and run["tokens_per_s"] > 0
+        assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"] <= run["e2e_p99_s"]
+    report = write_load_report(runs, tmp_path, "specroute load --test").read_text()
+    assert report.count("| none |") == 1 and report.count("| auto |") == 1

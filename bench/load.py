@@ -1,0 +1,163 @@
+"""`specroute load`: concurrent streaming clients against a running SpecRoute server.
+
+Each client loops over Spec-Bench prompts until the deadline, streaming chat completions and
+timing them the way vLLM's serving benchmark does: time to first token (TTFT), the gaps between
+streamed chunks (ITL; a speculative step sends its tokens in one chunk), time per output token
+after the first (TPOT) and end-to-end latency. Runs with `--speculation none` and `auto` against
+the same server give the side-by-side throughput of plain and speculative serving.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from bench.prompts import BenchPrompt
+
+
+@dataclass
+class RequestTiming:
+    ok: bool
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)  # gaps between content chunks
+    completion_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.e2e_s is None or self.completion_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1)
+
+
+@dataclass
+class LoadArgs:
+    url: str
+    prompts: list[BenchPrompt]
+    clients: int
+    duration_s: float
+    max_tokens: int
+    speculation: str  # "auto", "none" or a drafter name
+    model: str | None = None
+    timeout_s: float = 300.0
+
+
+def one_request(session: requests.Session, args: LoadArgs, prompt: BenchPrompt) -> RequestTiming:
+    body = {
+        "messages": [{"role": "user", "content": prompt.text}], "max_tokens": args.max_tokens, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True}, "speculation": {"drafter": args.speculation},
+    }
+    if args.model:
+        body["model"] = args.model
+    t0 = time.perf_counter()
+    timing = RequestTiming(ok=False)
+    last = None
+    try:
+        with session.post(f"{args.url}/v1/chat/completions", json=body, stream=True, timeout=args.timeout_s) as r:
+            if r.status_code != 200:
+                return RequestTiming(ok=False, error=f"HTTP {r.status_code}: {r.text[:200]}")
+            for line in r.iter_lines():
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:]
+                if data == b"[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    return RequestTiming(ok=False, error=str(event["error"])[:200])
+                now = time.perf_counter()
+                if event.get("choices") and event["choices"][0]["delta"].get("content"):
+                    if timing.ttft_s is None:
+                        timing.ttft_s = now - t0
+                    elif last is not None:
+                        timing.itl_s.append(now - last)
+                    last = now
+                if event.get("usage"):
+                    timing.completion_tokens = event["usage"]["completion_tokens"]
+    except (requests.RequestException, ValueError) as e:
+        return RequestTiming(ok=False, error=f"{type(e).__name__}: {e}"[:200])
+    timing.e2e_s = time.perf_counter() - t0
+    timing.ok = True
+    return timing
+
+
+def run_load(args: LoadArgs) -> dict:
+    """Run the clients for `duration_s` (requests in flight at the deadline finish); the summary."""
+    deadline = time.perf_counter() + args.duration_s
+    timings: list[RequestTiming] = []
+    lock = threading.Lock()
+    cursor = [0]
+
+    def client() -> None:
+        with requests.Session() as session:
+            while time.perf_counter() < deadline:
+                with lock:
+                    prompt = args.prompts[cursor[0] % len(args.prompts)]
+                    cursor[0] += 1
+                timing = one_request(session, args, prompt)
+                with lock:
+                    timings.append(timing)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(args.clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return summarize(timings, time.perf_counter() - t0, args)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
+
+
+def summarize(timings: list[RequestTiming], wall_s: float, args: LoadArgs) -> dict:
+    ok = [t for t in timings if t.ok]
+    ttft = [t.ttft_s for t in ok if t.ttft_s is not None]
+    itl = [gap for t in ok for gap in t.itl_s]
+    tpot = [v for t in ok if (v := t.tpot_s) is not None]
+    e2e = [t.e2e_s for t in ok if t.e2e_s is not None]
+    tokens = sum(t.completion_tokens for t in ok)
+    return {
+        "speculation": args.speculation, "clients": args.clients, "duration_s": args.duration_s,
+        "wall_s": wall_s, "requests": len(timings), "errors": len(timings) - len(ok),
+        "error_samples": [t.error for t in timings if not t.ok][:5],
+        "completion_tokens": tokens, "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
+        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+        "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99),
+        "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
+        "e2e_p50_s": _pct(e2e, 50), "e2e_p99_s": _pct(e2e, 99),
+    }
+
+
+def write_load_report(runs: list[dict], out: Path, command: str) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "load.json").write_text(json.dumps({"runs": runs, "command": command}, indent=2))
+
+    def ms(v: float | None) -> str:
+        return "n/a" if v is None else f"{v * 1e3:.0f}"
+
+    lines = [
+        "| speculation | clients | requests | errors | tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
+        "| TPOT p50 / p99 ms | e2e p50 / p99 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r['speculation']} | {r['clients']} | {r['requests']} | {r['errors']} | {r['tokens_per_s']:.1f} "
+            f"| {ms(r['ttft_p50_s'])} / {ms(r['ttft_p99_s'])} | {ms(r['itl_p50_s'])} / {ms(r['itl_p99_s'])} "
+            f"| {ms(r['tpot_p50_s'])} / {ms(r['tpot_p99_s'])} | {ms(r['e2e_p50_s'])} / {ms(r['e2e_p99_s'])} |"
+        )
+    report = out / "load.md"
+    report.write_text("\n".join(["# SpecRoute load run", "", *lines, "", "```", command, "```", ""]))
+    return report
+
