@@ -248,7 +248,6 @@ class OpenAIIngress:
         self.args = AppArgs.model_validate(args)
         self.worker = worker
         self.model_name = self.args.served_model_name
-        self.drafter_names = [d.name for d in self.args.engine.drafters]
         self.created = int(time.time())
         self.admin_token = self.args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
         self.dashboard_html = (STATIC_DIR / "dashboard.html").read_text()
