@@ -17,6 +17,7 @@ passed in.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import statistics
@@ -66,7 +67,7 @@ class CostTable:
 def cost_table(snapshot: StatsSnapshot, bucket: str, prior: CostTable | None, drafters: Iterable[str]) -> CostTable:
     """Measured costs where there are enough samples (this context bucket first, then all), the
     prior elsewhere, rescaled by the median measured / prior ratio so the curve stays consistent
-    (a prior measured on another context length, or the unitless relative one)."""
+    (a prior measured on another context length, or the unitless relative one); non-decreasing in k."""
     prior = prior or CostTable.relative()
 
     def measured(stat_of) -> float | None:
@@ -79,7 +80,9 @@ def cost_table(snapshot: StatsSnapshot, bucket: str, prior: CostTable | None, dr
     known = {k: m for k in range(len(prior.verify_s))
              if (m := measured(lambda b, k=k: snapshot.verify_s(k, b))) is not None}
     scale = statistics.median(m / prior.verify_s[k] for k, m in known.items()) if known else 1.0
-    verify = tuple(known.get(k, prior.verify_s[k] * scale) for k in range(len(prior.verify_s)))
+    # a forward over more tokens never costs less: noise that says so would lure k upwards
+    verify = tuple(itertools.accumulate(
+        (known.get(k, prior.verify_s[k] * scale) for k in range(len(prior.verify_s))), max))
     draft = {}
     for name in drafters:
         m = measured(lambda b, name=name: snapshot.draft_s_per_token(name, b))

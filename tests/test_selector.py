@@ -11,6 +11,7 @@ No torch, no Ray.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -752,3 +753,16 @@ def test_outlook_and_measured_speedup() -> None:
     # 4 x-steps emit 4 tokens each in 1.5 s, 4 plain steps 1 token in 1 s: 20 tokens in 10 s, plain 1 token/s
     assert measured_speedup(snap, "a") == pytest.approx(2.0)
     assert measured_speedup(snap, "b") is None
+
+
+def test_cost_curve_never_falls_with_k() -> None:
+    """A noisy measurement that makes 8 tokens cheaper than 6 must not lure k to 8."""
+    store = MemoryStats()
+    noisy = {0: 1.0, 6: 1.5, 8: 1.3}
+    for k, seconds in noisy.items():
+        store.record_many([StepRecord("a", "x" if k else PLAIN, k, k, 0, 0.0, seconds, 10)] * 4)
+    table = cost_table(store.snapshot(), context_bucket(10), CostTable.relative(), ["x"])
+    assert table.verify_s[6] == pytest.approx(1.5) and table.verify_s[8] >= table.verify_s[6]
+    assert all(a <= b for a, b in itertools.pairwise(table.verify_s))
+    # the measured 1.3 at k = 8 is raised to what fewer tokens cost, never kept below it
+    assert table.verify_s[8] == pytest.approx(max(table.verify_s[:8]))
