@@ -27,9 +27,8 @@ import scipy.sparse as sp
 from sklearn.feature_extraction.text import HashingVectorizer
 from sklearn.linear_model import LogisticRegression
 
-from policies.schema import ClassifierSettings, Policy
+from policies.schema import REPO_ROOT, ClassifierSettings, Policy, resolve_repo_path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "classifier"
 PARAMS_FILE = "classifier.json"
 WEIGHTS_FILE = "classifier.npz"
@@ -190,15 +189,6 @@ class TextModel:
 # The classifier a policy uses
 
 
-def resolve_model_path(model: str | Path) -> Path:
-    """A policy's `classifier.model`: absolute, relative to the working directory if it exists
-    there, else relative to the repository root."""
-    p = Path(model)
-    if p.is_absolute() or p.exists():
-        return p
-    return REPO_ROOT / p
-
-
 class DomainClassifier:
     def __init__(self, settings: ClassifierSettings, default_domain: str,
                  model: TextModel | None = None, domains: Iterable[str] | None = None) -> None:
@@ -211,7 +201,7 @@ class DomainClassifier:
     def from_policy(cls, policy: Policy, model: TextModel | None = None) -> DomainClassifier:
         """The policy's rules and thresholds; its `classifier.model` loaded unless `model` is given."""
         if model is None and policy.classifier.model:
-            model = TextModel.load(resolve_model_path(policy.classifier.model))
+            model = TextModel.load(resolve_repo_path(policy.classifier.model))
         return cls(policy.classifier, policy.default_domain, model, policy.domains)
 
     def _rule(self, text: str) -> str | None:

