@@ -24,7 +24,7 @@ from policies.classifier import Classification, DomainClassifier
 from policies.records import Record, RequestRecord, ShadowRecord, StepRecord
 from policies.schema import Policy, PolicyError, check_policy_drafters, load_policy
 from policies.selector import FORCED, CostTable, Features, Plan, StepController, decide, forced_plan
-from policies.stats import StatsSnapshot, StatsStore
+from policies.stats import StatsStore
 from workers.config import PLAIN, RoutingConfig
 from workers.engine import Generation, GenerationResult, RequestError, SpecEngine, StepStats
 from workers.sampling import SamplingParams
@@ -176,9 +176,6 @@ class Router:
         return True
 
     # -- requests -----------------------------------------------------------------------------
-    def snapshot(self) -> StatsSnapshot:
-        return self.store.snapshot(window_s=self.policy.window.seconds)
-
     def start(
         self, prompt_ids: list[int], params: SamplingParams, text: str,
         speculation: Speculation = Speculation(),
@@ -208,8 +205,9 @@ class Router:
             candidates = [d for d in dp.drafters if d == PLAIN or d in self.engine.drafters]
             if drafter != AUTO:  # the request names its drafter; the policy picks k
                 candidates = [drafter]
+            snapshot = self.store.snapshot(window_s=policy.window.seconds)  # I/O with Redis: outside the lock
             with self._lock:  # one rng, shared: draws in request order
-                plan = decide(features, self.snapshot(), policy, self._rng, self.costs, candidates)
+                plan = decide(features, snapshot, policy, self._rng, self.costs, candidates)
             if k is not None:  # the policy picks the drafter; the request fixed k
                 plan = forced_plan(domain, plan.drafter, k) if plan.drafter != PLAIN else plan
             elif drafter != AUTO:
