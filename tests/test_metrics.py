@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import threading
 import uuid
 from collections import Counter
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
+from helpers import serve_tiny_app
 from prometheus_client.parser import text_string_to_metric_families
 
 from policies.records import PLAIN, RequestRecord, StatsSnapshot, StepRecord
@@ -147,17 +147,9 @@ def test_policy_outcome() -> None:
 
 
 # -- the real app ------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     import redis
-
-    from router.serve import serve, shutdown
 
     client = redis.Redis.from_url(REDIS_URL, socket_timeout=2)
     try:
@@ -165,26 +157,11 @@ def base_url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory
     except redis.RedisError as e:
         pytest.skip(f"no Redis at {REDIS_URL}: {e}")
     prefix = f"test-metrics-{uuid.uuid4().hex[:10]}"
-    port = _free_port()
-    config = {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [{
-            "name": "specroute", "route_prefix": "/", "import_path": "router.app:build_app",
-            "args": {
-                "served_model_name": MODEL, "engine": tiny_config.model_dump(mode="json"),
-                "max_ongoing_requests": 8, "num_replicas": 2, "num_cpus": 1, "num_gpus": 0,
-                "stats_url": REDIS_URL, "stats_prefix": prefix, "admin_token": TOKEN,
-            },
-        }],
-    }
-    path = tmp_path_factory.mktemp("serve") / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    serve(path, host="127.0.0.1", port=port, blocking=False)
     try:
-        yield f"http://127.0.0.1:{port}"
+        with serve_tiny_app(tiny_config, tmp_path_factory.mktemp("serve"), MODEL, num_replicas=2,
+                            stats_url=REDIS_URL, stats_prefix=prefix, admin_token=TOKEN) as url:
+            yield url
     finally:
-        shutdown()
         keys = list(client.scan_iter(match=f"{{{prefix}}}:*"))
         if keys:
             client.delete(*keys)

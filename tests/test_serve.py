@@ -7,7 +7,6 @@ is used unchanged where it can be; raw HTTP where the test is about the wire (SS
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
+from helpers import serve_tiny_app
 
 from workers.config import EngineConfig
 
@@ -26,35 +26,10 @@ DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 GREEDY = {"temperature": 0, "max_tokens": 24}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from router.serve import serve, shutdown
-
-    port = _free_port()
-    config = {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [{
-            "name": "specroute", "route_prefix": "/", "import_path": "router.app:build_app",
-            "args": {
-                "served_model_name": MODEL, "engine": tiny_config.model_dump(mode="json"),
-                "max_ongoing_requests": 8, "num_replicas": 1, "num_cpus": 1, "num_gpus": 0,
-            },
-        }],
-    }
-    path = tmp_path_factory.mktemp("serve") / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    serve(path, host="127.0.0.1", port=port, blocking=False)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        shutdown()
+    with serve_tiny_app(tiny_config, tmp_path_factory.mktemp("serve"), MODEL) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

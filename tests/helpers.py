@@ -1,0 +1,84 @@
+"""Test helpers more than one module needs (importable: pytest puts tests/ on sys.path).
+
+- `serve_tiny_app`: the real Serve application over HTTP on a free port, the tiny target.
+- `first_two_tokens_joint` / `assert_follows_joint`: the seeded statistical check that sampled
+  speculative decoding keeps the target's exact joint distribution of its first two tokens.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from scipy.stats import chisquare
+
+from workers.config import EngineConfig
+from workers.engine import GenerationResult
+from workers.models.base import CausalLM
+from workers.sampling import SamplingParams, probs_from_logits
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_tiny_app(engine: EngineConfig, workdir: Path, model_name: str, **args: Any) -> Iterator[str]:
+    """Ray (local) and the Serve app on 127.0.0.1, one CPU replica unless `args` say otherwise;
+    yields the base URL and shuts Serve down after."""
+    from router.serve import serve, shutdown
+
+    port = free_port()
+    app_args = {"served_model_name": model_name, "engine": engine.model_dump(mode="json"), "max_ongoing_requests": 8,
+                "num_replicas": 1, "num_cpus": 1, "num_gpus": 0, **args}
+    config = {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{"name": "specroute", "route_prefix": "/", "import_path": "router.app:build_app",
+                          "args": app_args}],
+    }
+    path = workdir / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    serve(path, host="127.0.0.1", port=port, blocking=False)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        shutdown()
+
+
+def first_two_tokens_joint(model: CausalLM, prompt: list[int], params: SamplingParams) -> dict[tuple[int, int], float]:
+    """The target's exact probability of each (first, second) sampled token pair."""
+    cache = model.new_cache(len(prompt) + 2)
+    p1 = probs_from_logits(model.forward(torch.tensor(prompt), cache, last_only=True).logits, params)[0]
+    joint = {}
+    for a in torch.nonzero(p1).flatten().tolist():
+        cache.truncate(len(prompt))
+        p2 = probs_from_logits(model.forward(torch.tensor([a]), cache).logits, params)[0]
+        for b in torch.nonzero(p2).flatten().tolist():
+            joint[(a, b)] = p1[a].item() * p2[b].item()
+    return joint
+
+
+def assert_follows_joint(
+    joint: dict[tuple[int, int], float], num_trials: int, generate: Callable[[int], GenerationResult],
+) -> list[GenerationResult]:
+    """Run `generate(seed)` for seeds 0..num_trials-1 (two tokens each) and check the pairs
+    against `joint` with a chi-square test; the results, for the caller's own checks."""
+    cells = sorted(joint)
+    index = {c: i for i, c in enumerate(cells)}
+    counts = np.zeros(len(cells))
+    results = [generate(seed) for seed in range(num_trials)]
+    for result in results:
+        counts[index[tuple(result.token_ids)]] += 1
+    expected = np.array([joint[c] for c in cells]) * num_trials
+    _, p_value = chisquare(counts, expected * counts.sum() / expected.sum())
+    assert p_value > 1e-4, (counts, expected)
+    return results
