@@ -8,6 +8,7 @@ speculation plan, and relays the worker's chunks as JSON or as SSE. It never imp
 
 # no `from __future__ import annotations`: Serve's ingress re-declares the endpoints, and FastAPI
 # must see their parameter types as classes, not strings
+import asyncio
 import json
 import logging
 import os
@@ -22,13 +23,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve import Application
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+    RequestCancelledError,
+    TaskCancelledError,
+)
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router import guard
 from router.control import (
     ADMIN_TOKEN_ENV,
+    API_KEY_ENV,
     CONTROL_TIMEOUT_S,
     ControlError,
     check_admin_token,
@@ -70,6 +80,8 @@ INGRESS_MAX_ONGOING_REQUESTS = 1024  # the ingress only relays: its limit is the
 STATS_URL_ENV = "SPECROUTE_REDIS_URL"  # the shared statistics store, when the Serve config names none
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 STATIC_FILES = {"chart.umd.min.js": "text/javascript; charset=utf-8"}  # served at /static/<name>; nothing else
+_UNAVAILABLE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)  # a replica died or is starting
+_CANCELLED = (TaskCancelledError, RequestCancelledError, asyncio.CancelledError)  # Serve cancels a gone client's call
 
 
 # -- application arguments ---------------------------------------------------------------------
@@ -103,10 +115,21 @@ class AppArgs(BaseModel):
                           "share statistics",
     )
     admin_token: str | None = Field(
-        None, description=f"PUT /v1/policy requires `Authorization: Bearer <admin_token>` (default: "
-                          f"${ADMIN_TOKEN_ENV}; none: open)",
+        None, description=f"PUT /v1/policy and POST /v1/stats/reset require `Authorization: Bearer "
+                          f"<admin_token>` (default: ${ADMIN_TOKEN_ENV}; none: open)",
     )
+    api_key: str | None = Field(
+        None, description=f"/v1/completions, /v1/chat/completions and /v1/models require `Authorization: Bearer "
+                          f"<api_key>` (default: ${API_KEY_ENV}; none: open)",
+    )
+    max_request_bytes: int = Field(guard.DEFAULT_MAX_REQUEST_BYTES, ge=1024,
+                                   description="a larger request body is refused with 413")
     max_ongoing_requests: int = Field(16, ge=1, description="concurrent requests per target replica")
+    max_queued_requests: int = Field(
+        64, ge=-1, description="requests the ingress queues for the target replicas beyond their max_ongoing_requests; "
+                               "more are refused with 429 and Retry-After (-1: unbounded)",
+    )
+    retry_after_s: int = Field(guard.DEFAULT_RETRY_AFTER_S, ge=1, description="the Retry-After of a 429")
     num_replicas: int | None = Field(None, ge=1, description="fixed target replicas (default 1)")
     autoscaling_config: AutoscalingArgs | None = Field(None, description="instead of num_replicas")
     num_cpus: float = Field(1, ge=0, description="CPUs per target replica (also torch's threads)")
@@ -121,6 +144,7 @@ class AppArgs(BaseModel):
     def worker_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {
             "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
             "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
             "max_constructor_retry_count": 1,  # a model that fails to load fails the deploy now
         }
@@ -145,14 +169,15 @@ def build_app(args: dict[str, Any]) -> Application:
 # -- errors --------------------------------------------------------------------------------------
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error") -> None:
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers
         self.body = ErrorResponse(error=ErrorBody(message=message, type=type, param=param, code=code))
 
 
 def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body.model_dump(), status_code=e.status)
+    return JSONResponse(e.body.model_dump(), status_code=e.status, headers=e.headers)
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
@@ -173,11 +198,25 @@ def _as_api_error(e: BaseException) -> APIError:
         return APIError(400, e.message, e.param, e.code)
     if isinstance(e, APIError):
         return e
+    if isinstance(e, BackPressureError):  # the queue in front of the workers is full
+        return APIError(429, f"the service is at capacity; retry after {guard.SETTINGS.retry_after_s} s",
+                        code="rate_limit_exceeded", type="rate_limit_error",
+                        headers={"retry-after": str(guard.SETTINGS.retry_after_s)})
+    if isinstance(e, _UNAVAILABLE):  # Serve restarts the replica; the request may be retried
+        log.warning("a worker replica is unavailable: %s", type(e).__name__)
+        return APIError(503, f"the worker replica serving this request is unavailable ({type(e).__name__}); "
+                             "retry", code="service_unavailable", type="internal_error",
+                        headers={"retry-after": str(guard.SETTINGS.retry_after_s)})
     log.error("request failed: %r", e, exc_info=e)
     return APIError(500, f"internal error: {type(e).__name__}", type="internal_error")
 
 
+def _refusal(status: int, message: str, code: str) -> JSONResponse:
+    return _error_response(APIError(status, message, code=code))
+
+
 app = FastAPI(title="SpecRoute", description="OpenAI-compatible speculative decoding with drafter routing")
+app.add_middleware(guard.RequestGuard, refuse=_refusal)
 
 
 @app.exception_handler(RequestValidationError)
@@ -188,6 +227,8 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
     if err.get("type") == "json_invalid":
         reason = err.get("ctx", {}).get("error", err["msg"])
         param, message = None, f"request body is not valid JSON: {reason}"
+    elif err.get("type") == "extra_forbidden":
+        message = f"{param}: unknown field"
     else:
         message = f"{param or 'body'}: {err['msg']}"
     return _error_response(APIError(400, message, param))
@@ -250,6 +291,8 @@ class OpenAIIngress:
         self.model_name = self.args.served_model_name
         self.created = int(time.time())
         self.admin_token = self.args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
+        guard.configure(self.args.max_request_bytes, self.args.retry_after_s,
+                        self.args.api_key or os.environ.get(API_KEY_ENV))
         self.dashboard_html = (STATIC_DIR / "dashboard.html").read_text()
         self.static = {name: (STATIC_DIR / name).read_bytes() for name in STATIC_FILES}
 
@@ -335,6 +378,18 @@ class OpenAIIngress:
         update = policy_outcome(await self._on_every_worker("set_policy", policy))
         return {"version": update.version, "num_replicas": update.num_replicas, "replicas": update.replicas}
 
+    @app.post("/v1/stats/reset")
+    async def reset_stats(self, request: Request) -> dict[str, Any]:
+        """Forget every statistic (a shared store: for all replicas). The routing policy starts
+        again from its priors."""
+        check_admin_token(self.admin_token, request.headers.get("authorization"))
+        answers = await self._on_every_worker("reset_stats")
+        failed = [repr(a) for a in answers if isinstance(a, BaseException)]
+        if failed:
+            raise APIError(500, f"statistics reset failed on {len(failed)} of {len(answers)} replicas: "
+                                f"{'; '.join(failed)}", type="internal_error")
+        return {"reset": True, "num_replicas": len(answers)}
+
     async def _on_every_worker(self, method: str, *args: Any) -> list[Any]:
         """`method` on every worker replica: its answers, or the exceptions replicas raised."""
         try:
@@ -355,6 +410,11 @@ class OpenAIIngress:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                                 f"'{self.model_name}'", "model", "model_not_found")
+        max_len = self.args.engine.target.max_model_len
+        if body.num_max_tokens is not None and body.num_max_tokens >= max_len:
+            field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+            raise APIError(400, f"{field}: {body.num_max_tokens} leaves no room for the prompt in this model's "
+                                f"context length of {max_len} tokens", field, "context_length_exceeded")
         spec = body.speculation
         return GenerateRequest(
             prompt=prompt, max_tokens=body.num_max_tokens, temperature=body.temperature,
@@ -410,6 +470,8 @@ class OpenAIIngress:
                     yield _sse(make_chunk(chunk.text), drop)
                 chunk = await gen.__anext__()
             done = True
+        except _CANCELLED:  # the client went away: nobody to report to
+            raise
         except Exception as e:  # the response has started: report in-band, then end the stream
             yield _sse(_as_api_error(e).body)
         finally:

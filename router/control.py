@@ -12,7 +12,6 @@ Both control calls go to every worker replica (`DeploymentHandle.broadcast`):
 
 from __future__ import annotations
 
-import hmac
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -23,10 +22,12 @@ import yaml
 from policies.records import StatsSnapshot
 from policies.selector import measured_speedup
 from policies.stats import SeriesPoint, StoreHealth
+from router.guard import bearer_matches
 from router.observation import Observation, finite
 from workers.deployment import PolicyResult
 
 ADMIN_TOKEN_ENV = "SPECROUTE_ADMIN_TOKEN"
+API_KEY_ENV = "SPECROUTE_API_KEY"
 CONTROL_TIMEOUT_S = 30.0  # one control call to every replica, answers included
 _FIELD = re.compile(r"([A-Za-z_][\w.\-]*): ")  # a PolicyError names its field first
 
@@ -76,12 +77,8 @@ class ControlError(Exception):
 
 
 def check_admin_token(expected: str | None, authorization: str | None) -> None:
-    """Nothing to check without a configured token; else `Authorization: Bearer <token>`, compared
-    in constant time."""
-    if not expected:
-        return
-    scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
+    """Nothing to check without a configured token; else `Authorization: Bearer <token>`."""
+    if expected and not bearer_matches(expected, authorization):
         raise ControlError(401, "this endpoint needs the admin token: Authorization: Bearer <token>",
                            code="invalid_admin_token")
 

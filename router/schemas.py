@@ -2,20 +2,41 @@
 plus SpecRoute's extensions: `speculation` (request: the plan asked for; response: what ran and
 how well it was accepted), `top_k` and `ignore_eos` (as in vLLM).
 
-Fields the server does not implement are ignored, as OpenAI-compatible servers do, except `n`:
-more than one choice is refused rather than silently answered with one.
+Every field OpenAI defines is accepted. Those that do not change what is generated (`user`,
+`metadata`, ...) are ignored; those this server does not implement (penalties, logprobs, tools, ...)
+are accepted at their no-op value and refused otherwise, naming the field, rather than silently
+answered without them. A field OpenAI does not define is refused: a typo must not pass unnoticed.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
 AUTO = "auto"
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256  # per stop string: the step loop matches every one against the text tail
 
 
 # -- requests --------------------------------------------------------------------------------
+# The values of OpenAI's unimplemented fields that ask for nothing (a client library may send them)
+_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
+}
+
+
+def _no_op(value: Any, info: ValidationInfo) -> Any:
+    """`value` if it asks for nothing; a field this server does not implement is refused otherwise."""
+    if value not in _NO_OP_VALUES[info.field_name]:
+        raise ValueError(f"not supported by this server (got {value!r})")
+    return value
+
+
 class SpeculationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -41,7 +62,7 @@ class StreamOptions(BaseModel):
 class GenerationRequestBase(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, description="the served model name (optional: there is one)")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate (default: the engine's)")
@@ -55,6 +76,15 @@ class GenerationRequestBase(BaseModel):
     n: int = Field(1, description="only 1 is supported")
     ignore_eos: bool = Field(False, description="extension: keep generating past end-of-sequence")
     speculation: SpeculationRequest = Field(default_factory=SpeculationRequest)
+    # OpenAI fields that do not change the output: accepted and ignored
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # OpenAI fields not implemented here: accepted at their no-op value only (see `_unsupported`)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -66,6 +96,21 @@ class GenerationRequestBase(BaseModel):
         if isinstance(value, list):
             return [s for s in value if s != ""]  # an empty stop string would match at once
         return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_limits(cls, value: list[str]) -> list[str]:
+        if len(value) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop strings, got {len(value)}")
+        longest = max((len(s) for s in value), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters, got one of {longest}")
+        return value
+
+    @field_validator("frequency_penalty", "presence_penalty", "logit_bias")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return _no_op(value, info)
 
     @field_validator("n")
     @classmethod
@@ -90,6 +135,15 @@ class GenerationRequestBase(BaseModel):
 
 class CompletionRequest(GenerationRequestBase):
     prompt: str = Field(description="the prompt, used as is (no chat template)")
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("logprobs", "echo", "suffix", "best_of")
+    @classmethod
+    def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
+        return _no_op(value, info)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -107,10 +161,15 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    # OpenAI message fields the chat template does not read
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    refusal: str | None = None
 
     def as_template_message(self) -> dict[str, str]:
         content = self.content
@@ -123,6 +182,25 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(GenerationRequestBase):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    @field_validator("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
+                     "response_format", "modalities", "audio", "prediction", "web_search_options")
+    @classmethod
+    def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
+        return _no_op(value, info)
 
     @property
     def num_max_tokens(self) -> int | None:

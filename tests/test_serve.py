@@ -263,7 +263,7 @@ LONG_PROMPT = "lorem ipsum " * 600  # > 1024 tokens, the tiny config's max_model
     ("chat", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, "messages"),
     ("completions", {"prompt": LONG_PROMPT}, "prompt"),
     ("completions", {"prompt": LONG_PROMPT, "stream": True}, "prompt"),
-    ("completions", {"prompt": "hi", "max_tokens": 5000}, "prompt"),
+    ("completions", {"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {}, "prompt"),
     ("completions", {"prompt": "hi", "stop": 3}, "stop"),

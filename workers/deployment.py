@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import psutil
 from ray import serve
 
 from workers.config import EngineConfig, RoutingConfig
@@ -208,6 +209,7 @@ class TargetWorker:
         return {
             "num_pending": len(self._pending), "num_active": len(self._active),
             "num_finished": self._num_finished, "num_cancelled": self._num_cancelled,
+            "rss_bytes": psutil.Process().memory_info().rss,  # the soak tests watch it
         }
 
     # -- observability and policy (control plane; never on the engine thread) -----------------
@@ -257,6 +259,11 @@ class TargetWorker:
         except PolicyError as e:
             return PolicyResult(self.router.policy.version, _replica_id(), str(e))
         return PolicyResult(version, _replica_id())
+
+    def reset_stats(self) -> None:
+        """Forget every statistic in this replica's store (shared: every replica's). POST /v1/stats/reset."""
+        self.router.store.reset()
+        log.warning("statistics reset")
 
     def reconfigure(self, user_config: dict[str, Any] | None) -> None:
         """Serve `user_config: {policy: <mapping, or a path to a policy YAML>}`: applied to every

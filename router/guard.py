@@ -1,0 +1,93 @@
+"""The ingress's per-request guard, before any routing or parsing: the API key of inference
+endpoints and the request-size limit, plus the Retry-After of refusals.
+
+Serve runs one ingress per replica process and serves a frozen (pickled) copy of the FastAPI app;
+the ingress class itself is pickled by value. Both reach these settings through this module, which
+pickles by reference, so `configure` at ingress start is what the middleware reads.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+DEFAULT_RETRY_AFTER_S = 1
+API_KEY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+Refusal = Callable[[int, str, str], ASGIApp]  # (status, message, code) -> the response
+
+
+@dataclass
+class Settings:
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    retry_after_s: int = DEFAULT_RETRY_AFTER_S
+    api_key: str | None = None  # None: inference is open
+
+
+SETTINGS = Settings()
+
+
+def configure(max_request_bytes: int, retry_after_s: int, api_key: str | None) -> None:
+    SETTINGS.max_request_bytes = max_request_bytes
+    SETTINGS.retry_after_s = retry_after_s
+    SETTINGS.api_key = api_key or None
+
+
+def bearer_matches(expected: str, authorization: str | None) -> bool:
+    """`Authorization: Bearer <expected>`, compared in constant time."""
+    scheme, _, given = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected.encode())
+
+
+class RequestGuard:
+    """ASGI middleware. Inference paths need the API key (401 before the body is read, so a bad
+    body does not tell an unauthenticated client anything). A body over `max_request_bytes` is
+    refused (413) by its Content-Length before it is read; a body that declares no length (chunked)
+    is read up to the limit first and replayed to the app, which reads whole bodies anyway."""
+
+    def __init__(self, app: ASGIApp, refuse: Refusal) -> None:
+        self.app = app
+        self.refuse = refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        key = SETTINGS.api_key
+        if key and scope.get("path") in API_KEY_PATHS and \
+                not bearer_matches(key, headers.get(b"authorization", b"").decode("latin-1")):
+            refusal = self.refuse(401, "missing or incorrect API key: send Authorization: Bearer <api key>",
+                                  "invalid_api_key")
+            return await refusal(scope, receive, send)
+        limit = SETTINGS.max_request_bytes
+        too_large = self.refuse(413, f"request body exceeds the limit of {limit} bytes", "request_too_large")
+        length = headers.get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > limit:
+                return await too_large(scope, receive, send)
+            return await self.app(scope, receive, send)  # the server holds the body to its declared length
+        messages: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":  # the client went away: let the app see it
+                break
+            size += len(message.get("body", b""))
+            if size > limit:
+                return await too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)

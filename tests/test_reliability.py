@@ -1,0 +1,398 @@
+"""Reliability and security of the real Serve app over HTTP (docs/reliability.md is the table).
+
+One app for the module, configured the way a production deployment would lock it down: an API key,
+an admin token, a small request-size limit, a bounded queue (one request at a time on the worker,
+one queued), and statistics in a private Redis this module stops and restarts. Tests run in file
+order: the ones that break things (Redis outage, replica kill) come last.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+import schemathesis
+from helpers import free_port, serve_tiny_app
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis.checks import not_a_server_error
+
+from workers.config import EngineConfig
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny-test-model"
+API_KEY = "sk-test-inference-key"
+ADMIN = "admin-test-token"
+MAX_BODY = 16 * 1024
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Count: one two three"}], "max_tokens": 8,
+        "temperature": 0}
+
+
+# -- a Redis of our own, stopped and restarted by the fault tests -------------------------------------
+@dataclass
+class PrivateRedis:
+    port: int
+    workdir: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        # RDB persistence in a private dir: a restart reloads what was written before the stop
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+             "--dbfilename", "dump.rdb", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not self.ping():
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SHUTDOWN SAVE: the data survives into the next start (a restart, not a wipe)."""
+        subprocess.run(["redis-cli", "-p", str(self.port), "shutdown", "save"], capture_output=True, timeout=10)
+        assert self.proc is not None
+        self.proc.wait(timeout=10)
+
+    def ping(self) -> bool:
+        r = subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True, text=True, timeout=5)
+        return r.stdout.strip() == "PONG"
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    server = PrivateRedis(free_port(), tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    if server.proc is not None and server.proc.poll() is None:
+        server.proc.terminate()
+        server.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory,
+             redis_server: PrivateRedis) -> Iterator[str]:
+    with serve_tiny_app(tiny_config, tmp_path_factory.mktemp("serve"), MODEL, api_key=API_KEY, admin_token=ADMIN,
+                        max_request_bytes=MAX_BODY, max_ongoing_requests=1, max_queued_requests=1,
+                        stats_url=redis_server.url, stats_prefix="reliability") as url:
+        yield url
+
+
+def _post(base_url: str, path: str, body: object, headers: dict[str, str] | None = None, **kwargs) -> requests.Response:
+    return requests.post(f"{base_url}{path}", json=body, headers=AUTH if headers is None else headers, timeout=60,
+                         **kwargs)
+
+
+def _assert_openai_error(r: requests.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def _worker_status() -> dict:
+    from ray import serve
+
+    worker = serve.get_deployment_handle("TargetWorker", app_name="specroute")
+    return worker.broadcast("status").results(timeout_s=30)[0]  # bypasses the request queue
+
+
+# -- bad input --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {**CHAT, "temperatur": 0.5}, "temperatur"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x", "contnet": "y"}]}, "messages[0].contnet"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, None),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": -3}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 10**9}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "temperature": -0.1}, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "top_p": 1.5}, "top_p"),
+    ("/v1/chat/completions", {**CHAT, "n": 4}, "n"),
+    ("/v1/chat/completions", {**CHAT, "stream": "maybe"}, "stream"),
+    ("/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("/v1/chat/completions", {**CHAT, "stop": "x" * 1000}, "stop"),
+    ("/v1/chat/completions", {**CHAT, "speculation": {"drafter": "nope"}}, "speculation.drafter"),
+    ("/v1/chat/completions", {**CHAT, "speculation": {"draft_len": 99}}, "speculation.draft_len"),
+    ("/v1/chat/completions", {**CHAT, "speculation": {"k": 3}}, "speculation.k"),
+    ("/v1/chat/completions", {**CHAT, "messages": "hello"}, "messages"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "lorem ipsum " * 600}, "prompt"),
+])
+def test_bad_input_is_4xx_naming_the_field(base_url: str, path: str, body: dict, param: str | None) -> None:
+    error = _assert_openai_error(_post(base_url, path, body), 400, param)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_no_op_values_of_unimplemented_fields_are_accepted(base_url: str) -> None:
+    """What client libraries send by default must not be refused."""
+    body = {**CHAT, "frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False, "logit_bias": {},
+            "tool_choice": "none", "response_format": {"type": "text"}, "user": "u-1", "store": False,
+            "messages": [{"role": "user", "content": "hi", "name": "alice"}]}
+    r = _post(base_url, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_unknown_model_is_404(base_url: str) -> None:
+    error = _assert_openai_error(_post(base_url, "/v1/chat/completions", {**CHAT, "model": "gpt-5"}), 404, "model")
+    assert error["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b'{"model": "\xff\xfe"}', b"", b"[1, 2]", b'"text"'])
+def test_malformed_bodies_are_400(base_url: str, raw: bytes) -> None:
+    r = requests.post(f"{base_url}/v1/chat/completions", data=raw, timeout=30,
+                      headers={**AUTH, "content-type": "application/json"})
+    _assert_openai_error(r, 400)
+
+
+def test_body_over_the_limit_is_413_declared_or_chunked(base_url: str) -> None:
+    body = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * (2 * MAX_BODY)}]}).encode()
+    r = requests.post(f"{base_url}/v1/chat/completions", data=body, timeout=30,
+                      headers={**AUTH, "content-type": "application/json"})
+    assert _assert_openai_error(r, 413)["code"] == "request_too_large"
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit is counted as the body arrives
+        for i in range(0, len(body), 4096):
+            yield body[i : i + 4096]
+
+    r = requests.post(f"{base_url}/v1/chat/completions", data=chunks(), timeout=30,
+                      headers={**AUTH, "content-type": "application/json"})
+    assert _assert_openai_error(r, 413)["code"] == "request_too_large"
+
+
+# -- security ----------------------------------------------------------------------------------------
+def test_inference_needs_the_api_key(base_url: str) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, ADMIN_AUTH):
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            error = _assert_openai_error(_post(base_url, path, CHAT, headers=headers), 401)
+            assert error["code"] == "invalid_api_key"
+        r = requests.get(f"{base_url}/v1/models", headers=headers, timeout=30)
+        assert _assert_openai_error(r, 401)["code"] == "invalid_api_key"
+    assert requests.get(f"{base_url}/healthz", timeout=30).status_code == 200  # probes need no key
+
+    good = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    assert good.chat.completions.create(**CHAT).choices[0].message.content is not None
+    bad = openai.OpenAI(base_url=f"{base_url}/v1", api_key="sk-wrong", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_policy_writes_and_stats_resets_need_the_admin_token(base_url: str) -> None:
+    for headers in ({}, AUTH, {"Authorization": "Bearer wrong"}):
+        r = requests.put(f"{base_url}/v1/policy", data=b"version: x", headers=headers, timeout=30)
+        assert _assert_openai_error(r, 401)["code"] == "invalid_admin_token"
+        r = requests.post(f"{base_url}/v1/stats/reset", headers=headers, timeout=30)
+        assert _assert_openai_error(r, 401)["code"] == "invalid_admin_token"
+
+    assert _post(base_url, "/v1/chat/completions", CHAT).status_code == 200
+    assert _requests_recorded(base_url) >= 1
+    r = requests.post(f"{base_url}/v1/stats/reset", headers=ADMIN_AUTH, timeout=30)
+    assert r.status_code == 200 and r.json()["reset"] is True, r.text
+    assert _requests_recorded(base_url) == 0
+
+
+def test_secrets_never_reach_the_logs(base_url: str) -> None:
+    """Ray's session logs hold every process's output: neither secret may appear in any of them."""
+    import ray
+
+    _post(base_url, "/v1/chat/completions", CHAT, headers={"Authorization": "Bearer sk-guessed"})
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    leaked = [p for p in logs.rglob("*") if p.is_file() and any(
+        secret.encode() in p.read_bytes() for secret in (API_KEY, ADMIN, "sk-guessed"))]
+    assert not leaked, leaked
+
+
+def test_no_pickle_loads_in_the_code() -> None:
+    """Models, classifiers and checkpoints load from safetensors, JSON, npz (allow_pickle=False) or GGUF."""
+    root = Path(__file__).resolve().parents[1]
+    banned = ("pickle.load", "torch.load(", "joblib.load", "allow_pickle=True", "skops.io.load(", "dill.load")
+    hits = [f"{p.relative_to(root)}: {b}" for d in ("router", "workers", "policies", "bench")
+            for p in (root / d).rglob("*.py") for b in banned if b in p.read_text()]
+    assert not hits, hits
+
+
+# -- fuzzing the OpenAPI schema ---------------------------------------------------------------------
+FUZZ_EXAMPLES = 20  # per operation and mode: a fixed budget, seeded (derandomize)
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_fuzzed_requests_never_get_a_5xx(base_url: str, mode: str) -> None:
+    """Schema-driven requests to every operation of the live app's OpenAPI schema, valid
+    (positive) and invalid (negative): any status but 5xx, and the service still serves after.
+    Generation endpoints get small `max_tokens` so the budget is spent on inputs, not on decoding."""
+    schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models"}
+    statuses: dict[str, list[int]] = {}
+    for operation in operations:
+        @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
+        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+        def fuzz(case: schemathesis.Case) -> None:
+            if isinstance(case.body, dict) and isinstance(case.body.get("max_tokens"), int):
+                case.body["max_tokens"] = min(case.body["max_tokens"], 16)
+            headers = ADMIN_AUTH if case.path in ("/v1/policy", "/v1/stats/reset") else AUTH
+            response = case.call(base_url=base_url, headers=headers, timeout=120)
+            statuses.setdefault(case.path, []).append(response.status_code)
+            case.validate_response(response, checks=[not_a_server_error])
+
+        try:
+            fuzz()
+        except Unsatisfiable:  # an operation without inputs has no invalid request to make
+            assert mode == "negative", operation.path
+    assert all(len(statuses.get(path, ())) >= FUZZ_EXAMPLES // 2
+               for path in ("/v1/completions", "/v1/chat/completions")), statuses
+    assert all(s < 500 for codes in statuses.values() for s in codes), statuses
+    assert _post(base_url, "/v1/chat/completions", CHAT).status_code == 200
+
+
+# -- load: a bounded queue ---------------------------------------------------------------------------
+def test_beyond_capacity_is_429_with_retry_after_and_nothing_is_lost(base_url: str) -> None:
+    """One request runs, one waits; the rest are refused at once with 429 + Retry-After. Every
+    request admitted completes."""
+    body = {"model": MODEL, "prompt": "Long:", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "speculation": {"drafter": "none"}}
+    with cf.ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda _: _post(base_url, "/v1/completions", body), range(8)))
+    ok = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code == 429]
+    assert len(ok) + len(refused) == 8, [r.status_code for r in responses]
+    assert ok and refused, [r.status_code for r in responses]
+    for r in refused:
+        assert _assert_openai_error(r, 429)["code"] == "rate_limit_exceeded"
+        assert int(r.headers["retry-after"]) >= 1
+    for r in ok:
+        assert r.json()["usage"]["completion_tokens"] == 200
+    assert _post(base_url, "/v1/completions", {**body, "max_tokens": 4}).status_code == 200
+
+
+# -- soak: steady memory ----------------------------------------------------------------------------
+def test_memory_is_steady_over_many_requests(base_url: str) -> None:
+    """A bounded soak for CI (tests/test_soak.py runs the long one): after a warm-up, 120 more
+    requests (streamed, cancelled, plain and speculative) leave the worker's memory where it was."""
+    _run_mixed_requests(base_url, 30)
+    warm = _worker_status()["rss_bytes"]
+    _run_mixed_requests(base_url, 120)
+    _wait_for(lambda: _worker_status()["num_active"] == 0, timeout_s=30)  # the last cancel lands between steps
+    status = _worker_status()
+    assert status["num_pending"] == 0 and status["num_cancelled"] >= 30, status
+    assert status["rss_bytes"] - warm < 48 * 2**20, (warm, status["rss_bytes"])
+
+
+def _run_mixed_requests(base_url: str, n: int) -> None:
+    for i in range(n):
+        drafter = ("auto", "none", "ngram", "self")[i % 4]
+        body = {**CHAT, "max_tokens": 12, "speculation": {"drafter": drafter}}
+        if i % 5 == 4:  # a client that goes away after the first event
+            with _post(base_url, "/v1/chat/completions", {**body, "stream": True, "max_tokens": 200,
+                                                            "ignore_eos": True}, stream=True) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())
+        else:
+            assert _post(base_url, "/v1/chat/completions", body).status_code == 200
+
+
+# -- faults ------------------------------------------------------------------------------------------
+def test_redis_stopped_mid_load_and_restarted(base_url: str, redis_server: PrivateRedis) -> None:
+    """Requests keep succeeding while Redis is down (the worker records locally); once Redis is
+    back the buffered records are flushed and the shared counters equal the requests served."""
+    requests.post(f"{base_url}/v1/stats/reset", headers=ADMIN_AUTH, timeout=30).raise_for_status()
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            statuses.append(_post(base_url, "/v1/chat/completions", CHAT).status_code)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        _wait_for(lambda: len(statuses) >= 3)
+        redis_server.stop()
+        n_at_stop = len(statuses)
+        _wait_for(lambda: len(statuses) >= n_at_stop + 4)  # served with Redis down
+        redis_server.start()
+        n_at_restart = len(statuses)
+        _wait_for(lambda: len(statuses) >= n_at_restart + 3)  # the next flushes carry the backlog
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+    assert statuses and all(s == 200 for s in statuses), statuses
+    _post(base_url, "/v1/chat/completions", CHAT).raise_for_status()  # one more flush after the last
+    _wait_for(lambda: _requests_recorded(base_url) == len(statuses) + 1, timeout_s=30)
+    health = _observe(base_url)["store"]
+    assert health["connected"] and health["num_errors"] > 0, health  # the outage was seen, and survived
+
+
+def test_killed_replica_ends_in_flight_cleanly_and_new_requests_succeed(base_url: str) -> None:
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "TargetWorker" in a["name"]]
+    assert len(names) == 1, names
+    replica = ray.get_actor(names[0], namespace="serve")
+    body = {"model": MODEL, "prompt": "Long:", "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+            "stream": True, "speculation": {"drafter": "none"}}
+    with _post(base_url, "/v1/completions", body, stream=True) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        next(lines)
+        ray.kill(replica, no_restart=False)
+        events = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
+    assert "error" in events[-1], events[-1]  # the stream ends with an error event, not a silent cut
+    assert not any(e.get("choices") and e["choices"][0].get("finish_reason") for e in events)
+
+    deadline = time.monotonic() + 180
+    while True:  # while Serve restarts the replica: clean 503 (or 429 while requests wait for it)
+        r = _post(base_url, "/v1/chat/completions", CHAT)
+        if r.status_code == 200:
+            break
+        _assert_openai_error(r, r.status_code)
+        assert r.status_code in (503, 429), r.text
+        assert time.monotonic() < deadline, "the replica did not come back"
+        time.sleep(1)
+    assert all(_post(base_url, "/v1/chat/completions", CHAT).status_code == 200 for _ in range(3))
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+def _observe(base_url: str) -> dict:
+    r = requests.get(f"{base_url}/v1/stats", timeout=30)
+    r.raise_for_status()
+    return r.json()
+
+
+def _requests_recorded(base_url: str) -> int:
+    """Requests counted in the shared store's all-time statistics (one decision each)."""
+    domains = _observe(base_url)["domains"].values()
+    return sum(d["count"] for domain in domains for d in domain["decisions"]["all_time"])
+
+
+def _wait_for(predicate, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
