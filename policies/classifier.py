@@ -27,7 +27,8 @@ import scipy.sparse as sp
 from sklearn.feature_extraction.text import HashingVectorizer
 from sklearn.linear_model import LogisticRegression
 
-from policies.schema import REPO_ROOT, ClassifierSettings, Policy, resolve_repo_path
+from policies.paths import REPO_ROOT, resolve_repo_path
+from policies.schema import ClassifierSettings, Policy
 
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "classifier"
 PARAMS_FILE = "classifier.json"

@@ -16,18 +16,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from policies.paths import REPO_ROOT
 from policies.records import PLAIN  # the drafter name of plain decoding (no draft, k = 0)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_POLICY_PATH = REPO_ROOT / "policies" / "default_policy.yaml"
-
-
-def resolve_repo_path(path: str | Path) -> Path:
-    """A path from a policy or a config (classifier, policy file, drafter checkpoint): absolute,
-    relative to the working directory if it exists there, else relative to the repository (a Ray
-    replica's working directory is not the caller's)."""
-    p = Path(path)
-    return p if p.is_absolute() or p.exists() else REPO_ROOT / p
 
 # The largest draft length anywhere: the bound on every domain's k_max and the default of the
 # engine's EngineConfig.max_draft_len, which imports it from here.
@@ -207,6 +199,8 @@ def load_policy(text_or_path: str | Path | Mapping[str, Any]) -> Policy:
             text_or_path = text_or_path.read_text()
         except OSError as e:
             raise PolicyError(f"cannot read {source}: {e.strerror}") from None
+        except UnicodeDecodeError as e:  # a binary or corrupted file
+            raise PolicyError(f"{source} is not UTF-8 text: {e.reason} at byte {e.start}") from None
     if isinstance(text_or_path, str):
         try:
             data = yaml.safe_load(text_or_path)

@@ -35,6 +35,7 @@ from ray.serve.exceptions import (
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from policies.paths import MODEL_DIRS_ENV, allowed_dirs, confine
 from router import guard
 from router.control import (
     ADMIN_TOKEN_ENV,
@@ -122,6 +123,10 @@ class AppArgs(BaseModel):
         None, description=f"/v1/completions, /v1/chat/completions and /v1/models require `Authorization: Bearer "
                           f"<api_key>` (default: ${API_KEY_ENV}; none: open)",
     )
+    allowed_dirs: list[str] = Field(
+        default_factory=list, description=f"directories, besides the repository's models/ and policies/ and "
+                                          f"${MODEL_DIRS_ENV}, that models, checkpoints and policies may be read from",
+    )
     max_request_bytes: int = Field(guard.DEFAULT_MAX_REQUEST_BYTES, ge=1024,
                                    description="a larger request body is refused with 413")
     max_ongoing_requests: int = Field(16, ge=1, description="concurrent requests per target replica")
@@ -139,6 +144,17 @@ class AppArgs(BaseModel):
     def _replicas(self) -> "AppArgs":
         if self.num_replicas is not None and self.autoscaling_config is not None:
             raise ValueError("give num_replicas or autoscaling_config, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _confined(self) -> "AppArgs":
+        """Every file the service reads lies under the allowed directories (policies/paths.py)."""
+        allowed = allowed_dirs(self.allowed_dirs)
+        files = self.engine.local_paths()
+        if self.routing.policy is not None:
+            files.append(("routing.policy", self.routing.policy))
+        for name, path in files:
+            confine(path, allowed, name)  # PathNotAllowed is a ValueError: pydantic reports it
         return self
 
     def worker_options(self) -> dict[str, Any]:
@@ -161,7 +177,7 @@ def build_app(args: dict[str, Any]) -> Application:
     stats_url = app_args.stats_url or os.environ.get(STATS_URL_ENV) or None
     worker = TargetWorker.options(**app_args.worker_options()).bind(
         app_args.engine.model_dump(mode="json"), app_args.routing.model_dump(mode="json"), stats_url,
-        app_args.stats_prefix,
+        app_args.stats_prefix, app_args.allowed_dirs,
     )
     return OpenAIIngress.bind(worker, app_args.model_dump(mode="json"))
 

@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
+from workers.config import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+
 AUTO = "auto"
-MAX_STOP_SEQUENCES = 4  # OpenAI's limit
-MAX_STOP_CHARS = 256  # per stop string: the step loop matches every one against the text tail
 
 
 # -- requests --------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ def serve_tiny_app(engine: EngineConfig, workdir: Path, model_name: str, **args:
 
     port = free_port()
     app_args = {"served_model_name": model_name, "engine": engine.model_dump(mode="json"), "max_ongoing_requests": 8,
-                "num_replicas": 1, "num_cpus": 1, "num_gpus": 0, **args}
+                "num_replicas": 1, "num_cpus": 1, "num_gpus": 0,
+                "allowed_dirs": sorted({str(path.parent) for _, path in engine.local_paths()}), **args}
     config = {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": port},

@@ -85,6 +85,26 @@ def test_bad_sampling_value_is_refused() -> None:
     assert_user_error(proc, "top_p", "1.5")
 
 
+@pytest.mark.parametrize(("args", "needles"), [
+    (["--draft-len", "0"], ["draft-len", "0"]),
+    (["--draft-len", "99", "--drafter", "ngram"], ["draft_len", "99"]),
+    (["--temperature", "-1"], ["temperature", "-1"]),
+    (["--top-k", "-5"], ["top_k", "-5"]),
+    (["--stop", "x" * 300], ["stop", "256"]),
+    (["--policy", "/nonexistent/policy.yaml"], ["/nonexistent/policy.yaml"]),
+])
+def test_bad_generate_arguments_are_refused(args: list[str], needles: list[str]) -> None:
+    proc = specroute("generate", "--prompt", PROMPT, "--max-tokens", "4", *args)
+    assert_user_error(proc, *needles)
+
+
+def test_a_config_that_is_not_yaml_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "engine.yaml"
+    config.write_bytes(b"target: [unclosed\n\xff")
+    proc = specroute("generate", "--prompt", PROMPT, "--config", str(config))
+    assert_user_error(proc, str(config))
+
+
 def test_prompt_beyond_the_context_is_refused(tmp_path: Path) -> None:
     config = tmp_path / "engine.yaml"
     config.write_text("target:\n  max_model_len: 64\n")

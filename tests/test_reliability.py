@@ -21,11 +21,13 @@ from pathlib import Path
 import pytest
 import requests
 import schemathesis
+import yaml
 from helpers import free_port, serve_tiny_app
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
 
+from policies.paths import REPO_ROOT
 from workers.config import EngineConfig
 
 openai = pytest.importorskip("openai")
@@ -214,6 +216,15 @@ def test_policy_writes_and_stats_resets_need_the_admin_token(base_url: str) -> N
     r = requests.post(f"{base_url}/v1/stats/reset", headers=ADMIN_AUTH, timeout=30)
     assert r.status_code == 200 and r.json()["reset"] is True, r.text
     assert _requests_recorded(base_url) == 0
+
+
+def test_a_policy_cannot_point_the_service_at_a_file_outside_its_directories(base_url: str) -> None:
+    policy = yaml.safe_load((REPO_ROOT / "policies" / "default_policy.yaml").read_text())
+    policy["classifier"]["model"] = "/etc"
+    r = requests.put(f"{base_url}/v1/policy", data=yaml.safe_dump(policy).encode(), headers=ADMIN_AUTH, timeout=60)
+    error = _assert_openai_error(r, 400, "classifier.model")
+    assert "outside the allowed directories" in error["message"]
+    assert _post(base_url, "/v1/chat/completions", CHAT).status_code == 200
 
 
 def test_secrets_never_reach_the_logs(base_url: str) -> None:

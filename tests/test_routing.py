@@ -278,5 +278,8 @@ def test_watched_policy_file_reloads_and_a_bad_one_is_refused(router: Router, tm
     assert run(router, TEXTS[1]).routing.policy_version == "test-2"
     write({**policy_dict(), "version": "test-3"}, 4_000_000_000)
     assert router.reload_if_changed(now=118.0) and router.policy.version == "test-3"
-    path.unlink()  # a vanished file is a change that fails to load: the policy stays
+    path.write_bytes(b"version: \xff\xfe\x00garbage")  # corrupted on disk: not even text
+    os.utime(path, ns=(5_000_000_000, 5_000_000_000))
     assert not router.reload_if_changed(now=124.0) and router.policy.version == "test-3"
+    path.unlink()  # a vanished file is a change that fails to load: the policy stays
+    assert not router.reload_if_changed(now=130.0) and router.policy.version == "test-3"

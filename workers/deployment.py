@@ -148,10 +148,13 @@ class TargetWorker:
         routing_config: dict[str, Any] | RoutingConfig | None = None,
         stats_url: str | None = None,
         stats_prefix: str | None = None,
+        allowed_dirs: list[str] | None = None,
     ) -> None:
         """`stats_url`: redis:// URL of the statistics shared with other replicas; None: this
         replica's own, in memory. `stats_prefix`: the key prefix of that Redis store (None: the
-        store's default); replicas share statistics exactly when URL and prefix are the same."""
+        store's default); replicas share statistics exactly when URL and prefix are the same.
+        `allowed_dirs`: besides the shipped ones, where policies may point (policies.paths)."""
+        from policies.paths import allowed_dirs as resolve_allowed_dirs
         from policies.stats import make_stats_store
         from workers import engine, routing, sampling  # torch: only where a replica runs
 
@@ -160,7 +163,8 @@ class TargetWorker:
         self.engine: SpecEngine = engine.SpecEngine.from_config(self.config)
         routing_config = RoutingConfig.model_validate(routing_config or {})
         store = make_stats_store(stats_url, **({} if stats_prefix is None else {"prefix": stats_prefix}))
-        self.router: Router = routing.Router.from_config(self.engine, routing_config, store)
+        self.allowed_dirs = resolve_allowed_dirs(allowed_dirs or ())
+        self.router: Router = routing.Router.from_config(self.engine, routing_config, store, self.allowed_dirs)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specroute-engine")
         self._pending: deque[_Slot] = deque()
         self._active: list[_Slot] = []
@@ -269,8 +273,7 @@ class TargetWorker:
         """Serve `user_config: {policy: <mapping, or a path to a policy YAML>}`: applied to every
         replica, present and future, on `serve deploy`. A bad policy is logged and the running
         one stays (raising here would fail the whole deploy)."""
-        from pathlib import Path
-
+        from policies.paths import PathNotAllowed, confine
         from policies.schema import PolicyError, load_policy
 
         policy = (user_config or {}).get("policy")
@@ -278,8 +281,9 @@ class TargetWorker:
             return
         try:
             is_path = isinstance(policy, str) and "\n" not in policy  # else YAML text or a mapping
-            self.router.set_policy(load_policy(Path(policy) if is_path else policy))
-        except PolicyError as e:
+            source = confine(policy, self.allowed_dirs, "user_config.policy") if is_path else policy
+            self.router.set_policy(load_policy(source))
+        except (PolicyError, PathNotAllowed) as e:
             log.error("user_config policy refused, policy %r stays in force: %s", self.router.policy.version, e)
 
     # -- the step loop --------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from policies.classifier import Classification, DomainClassifier
+from policies.paths import PathNotAllowed, confine
 from policies.records import Record, RequestRecord, ShadowRecord, StepRecord
 from policies.schema import Policy, PolicyError, check_policy_drafters, load_policy
 from policies.selector import FORCED, CostTable, Features, Plan, StepController, decide, forced_plan
@@ -104,10 +105,12 @@ def measure_costs(engine: SpecEngine, context_len: int = 64, repeats: int = 3) -
 class Router:
     def __init__(
         self, engine: SpecEngine, policy: Policy, store: StatsStore, *, classifier: DomainClassifier | None = None,
-        costs: CostTable | None = None, seed: int = 0,
+        costs: CostTable | None = None, seed: int = 0, allowed_dirs: tuple[Path, ...] | None = None,
     ) -> None:
+        """`allowed_dirs`: where a policy's classifier may be read from (policies.paths); None: anywhere."""
         self.engine = engine
         self.store = store
+        self.allowed_dirs = allowed_dirs
         self.costs = costs
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -118,10 +121,11 @@ class Router:
         self._mtime_ns: int | None = None
 
     @classmethod
-    def from_config(cls, engine: SpecEngine, config: RoutingConfig, store: StatsStore) -> Router:
+    def from_config(cls, engine: SpecEngine, config: RoutingConfig, store: StatsStore,
+                    allowed_dirs: tuple[Path, ...] | None = None) -> Router:
         costs = measure_costs(engine) if config.calibrate else None
         path = config.policy_path()
-        router = cls(engine, load_policy(path), store, costs=costs, seed=config.seed)
+        router = cls(engine, load_policy(path), store, costs=costs, seed=config.seed, allowed_dirs=allowed_dirs)
         if config.watch_s > 0:
             router.watch(path, config.watch_s)
         return router
@@ -130,6 +134,11 @@ class Router:
     def _prepare(self, policy: Policy, classifier: DomainClassifier | None = None) -> tuple[Policy, DomainClassifier]:
         """Check a policy against this engine and load its classifier; raises PolicyError."""
         check_policy_drafters(policy, set(self.engine.drafters))
+        if policy.classifier.model and self.allowed_dirs is not None:
+            try:
+                confine(policy.classifier.model, self.allowed_dirs, "classifier.model")
+            except PathNotAllowed as e:
+                raise PolicyError(str(e)) from None
         if classifier is None:
             try:
                 classifier = DomainClassifier.from_policy(policy)

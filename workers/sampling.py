@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.config import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+
 DEFAULT_MAX_TOKENS = 128
 
 
@@ -33,6 +35,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if len(self.stop) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"stop allows at most {MAX_STOP_SEQUENCES} strings, got {len(self.stop)}")
+        if (longest := max(map(len, self.stop), default=0)) > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings have at most {MAX_STOP_CHARS} characters, got one of {longest}")
 
     @property
     def greedy(self) -> bool:
