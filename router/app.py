@@ -214,6 +214,8 @@ def _as_api_error(e: BaseException) -> APIError:
         return APIError(400, e.message, e.param, e.code)
     if isinstance(e, APIError):
         return e
+    if isinstance(e, _CANCELLED):  # Serve cancelled the call of a client that went away: no one to answer
+        return APIError(499, "client closed the request", code="client_closed_request")
     if isinstance(e, BackPressureError):  # the queue in front of the workers is full
         return APIError(429, f"the service is at capacity; retry after {guard.SETTINGS.retry_after_s} s",
                         code="rate_limit_exceeded", type="rate_limit_error",

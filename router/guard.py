@@ -9,19 +9,15 @@ pickles by reference, so `configure` at ingress start is what the middleware rea
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 DEFAULT_RETRY_AFTER_S = 1
 API_KEY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Refusal = Callable[[int, str, str], ASGIApp]  # (status, message, code) -> the response
 
 
@@ -49,9 +45,11 @@ def bearer_matches(expected: str, authorization: str | None) -> bool:
 
 class RequestGuard:
     """ASGI middleware. Inference paths need the API key (401 before the body is read, so a bad
-    body does not tell an unauthenticated client anything). A body over `max_request_bytes` is
-    refused (413) by its Content-Length before it is read; a body that declares no length (chunked)
-    is read up to the limit first and replayed to the app, which reads whole bodies anyway."""
+    body tells an unauthenticated client nothing). A body over `max_request_bytes` is refused (413)
+    by its Content-Length before it is read; a body that declares no length (chunked) is read up to
+    the limit first and replayed to the app, which reads whole bodies anyway. (Starlette's
+    RequestBodyLimitMiddleware fixes its limit at construction and answers in plain text, outside
+    the app's exception handlers: clients here get OpenAI's error shape.)"""
 
     def __init__(self, app: ASGIApp, refuse: Refusal) -> None:
         self.app = app

@@ -1,19 +1,27 @@
 """Test helpers more than one module needs (importable: pytest puts tests/ on sys.path).
 
 - `serve_tiny_app`: the real Serve application over HTTP on a free port, the tiny target.
+- `throwaway_redis_server`: a redis-server of the test's own, to stop and restart.
 - `first_two_tokens_joint` / `assert_follows_joint`: the seeded statistical check that sampled
   speculative decoding keeps the target's exact joint distribution of its first two tokens.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import socket
+import subprocess
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
+import redis
 import torch
 import yaml
 from scipy.stats import chisquare
@@ -53,6 +61,61 @@ def serve_tiny_app(engine: EngineConfig, workdir: Path, model_name: str, **args:
         yield f"http://127.0.0.1:{port}"
     finally:
         shutdown()
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def _wait(predicate: Callable[[], bool], what: str) -> None:
+    for _ in range(400):
+        if predicate():
+            return
+        time.sleep(0.025)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class ThrowawayRedis:
+    """A redis-server of a test's own on a free port, that the test stops and restarts. Its RDB
+    file lives in `directory`: `stop("save")` then `start()` is a restart that keeps the data."""
+
+    def __init__(self, directory: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.pidfile = directory / "redis.pid"
+        self.argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(directory),
+                     "--pidfile", str(self.pidfile), "--save", "", "--appendonly", "no", "--daemonize", "yes"]
+        self.probe = redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+
+    def start(self) -> None:
+        subprocess.run(self.argv, check=True, capture_output=True)
+        _wait(lambda: _answers(self.probe), "redis-server to start")
+
+    def stop(self, how: str = "nosave") -> None:
+        subprocess.run(["redis-cli", "-p", str(self.port), "shutdown", how], capture_output=True)
+        _wait(lambda: not _answers(self.probe), "redis-server to stop")
+
+    def signal(self, sig: signal.Signals) -> None:
+        os.kill(int(self.pidfile.read_text()), sig)
+
+
+@contextmanager
+def throwaway_redis_server(directory: Path) -> Iterator[ThrowawayRedis]:
+    """A started ThrowawayRedis, shut down after (skips the test without redis-server)."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("needs redis-server")
+    server = ThrowawayRedis(directory)
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.pidfile.exists():
+            server.signal(signal.SIGCONT)  # a test may have paused it
+            subprocess.run(["redis-cli", "-p", str(server.port), "shutdown", "nosave"], capture_output=True)
+        server.probe.close()
 
 
 def first_two_tokens_joint(model: CausalLM, prompt: list[int], params: SamplingParams) -> dict[tuple[int, int], float]:

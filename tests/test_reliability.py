@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import requests
 import schemathesis
 import yaml
-from helpers import free_port, serve_tiny_app
+from helpers import ThrowawayRedis, serve_tiny_app, throwaway_redis_server
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
@@ -42,54 +39,16 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Count: one two
         "temperature": 0}
 
 
-# -- a Redis of our own, stopped and restarted by the fault tests -------------------------------------
-@dataclass
-class PrivateRedis:
-    port: int
-    workdir: Path
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        # RDB persistence in a private dir: a restart reloads what was written before the stop
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-             "--dbfilename", "dump.rdb", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while not self.ping():
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        """SHUTDOWN SAVE: the data survives into the next start (a restart, not a wipe)."""
-        subprocess.run(["redis-cli", "-p", str(self.port), "shutdown", "save"], capture_output=True, timeout=10)
-        assert self.proc is not None
-        self.proc.wait(timeout=10)
-
-    def ping(self) -> bool:
-        r = subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True, text=True, timeout=5)
-        return r.stdout.strip() == "PONG"
-
-
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    server = PrivateRedis(free_port(), tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    if server.proc is not None and server.proc.poll() is None:
-        server.proc.terminate()
-        server.proc.wait(timeout=10)
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThrowawayRedis]:
+    """Statistics live here; the fault test stops it (SHUTDOWN SAVE) and restarts it with its data."""
+    with throwaway_redis_server(tmp_path_factory.mktemp("redis")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def base_url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory,
-             redis_server: PrivateRedis) -> Iterator[str]:
+             redis_server: ThrowawayRedis) -> Iterator[str]:
     with serve_tiny_app(tiny_config, tmp_path_factory.mktemp("serve"), MODEL, api_key=API_KEY, admin_token=ADMIN,
                         max_request_bytes=MAX_BODY, max_ongoing_requests=1, max_queued_requests=1,
                         stats_url=redis_server.url, stats_prefix="reliability") as url:
@@ -329,7 +288,7 @@ def _run_mixed_requests(base_url: str, n: int) -> None:
 
 
 # -- faults ------------------------------------------------------------------------------------------
-def test_redis_stopped_mid_load_and_restarted(base_url: str, redis_server: PrivateRedis) -> None:
+def test_redis_stopped_mid_load_and_restarted(base_url: str, redis_server: ThrowawayRedis) -> None:
     """Requests keep succeeding while Redis is down (the worker records locally); once Redis is
     back the buffered records are flushed and the shared counters equal the requests served."""
     requests.post(f"{base_url}/v1/stats/reset", headers=ADMIN_AUTH, timeout=30).raise_for_status()
@@ -344,7 +303,7 @@ def test_redis_stopped_mid_load_and_restarted(base_url: str, redis_server: Priva
     thread.start()
     try:
         _wait_for(lambda: len(statuses) >= 3)
-        redis_server.stop()
+        redis_server.stop("save")  # a restart, not a wipe: the data comes back with it
         n_at_stop = len(statuses)
         _wait_for(lambda: len(statuses) >= n_at_stop + 4)  # served with Redis down
         redis_server.start()

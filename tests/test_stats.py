@@ -5,20 +5,16 @@ sums are exact in every backend and snapshots compare with ==."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
-import socket
-import subprocess
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import redis
+from helpers import ThrowawayRedis, throwaway_redis_server
 
 from policies.records import (
     CONTEXT_BUCKETS,
@@ -396,57 +392,10 @@ def test_unreachable_redis_never_raises_and_buffers() -> None:
     store.close()
 
 
-def _answers(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-
-
-def _wait(predicate: Callable[[], bool], what: str) -> None:
-    for _ in range(200):
-        if predicate():
-            return
-        time.sleep(0.025)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class ThrowawayRedis:
-    """A redis-server of this test's own on a free port, that the test stops and restarts."""
-
-    def __init__(self, directory: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.pidfile = directory / "redis.pid"
-        self.argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(directory),
-                     "--pidfile", str(self.pidfile), "--save", "", "--appendonly", "no", "--daemonize", "yes"]
-        self.probe = redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
-
-    def start(self) -> None:
-        subprocess.run(self.argv, check=True, capture_output=True)
-        _wait(lambda: _answers(self.probe), "redis-server to start")
-
-    def stop(self, how: str = "nosave") -> None:
-        subprocess.run(["redis-cli", "-p", str(self.port), "shutdown", how], capture_output=True)
-        _wait(lambda: not _answers(self.probe), "redis-server to stop")
-
-    def signal(self, sig: signal.Signals) -> None:
-        os.kill(int(self.pidfile.read_text()), sig)
-
-
 @pytest.fixture
 def throwaway_redis(tmp_path: Path) -> Iterator[ThrowawayRedis]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("needs redis-server")
-    server = ThrowawayRedis(tmp_path)
-    server.start()
-    yield server
-    if server.pidfile.exists():
-        server.signal(signal.SIGCONT)
-        subprocess.run(["redis-cli", "-p", str(server.port), "shutdown", "nosave"], capture_output=True)
-    server.probe.close()
+    with throwaway_redis_server(tmp_path) as server:
+        yield server
 
 
 def test_hung_redis_times_out_and_buffers(throwaway_redis: ThrowawayRedis) -> None:
