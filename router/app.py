@@ -71,8 +71,8 @@ from router.schemas import (
     Usage,
 )
 from router.stats_view import stats_json
-from workers.config import EngineConfig, RoutingConfig
-from workers.deployment import Chunk, FinalStats, GenerateRequest, InvalidRequest, TargetWorker
+from workers.config import EngineConfig, ModelDrafterConfig, RoutingConfig
+from workers.deployment import Chunk, DrafterWorker, FinalStats, GenerateRequest, InvalidRequest, TargetWorker
 
 log = logging.getLogger(__name__)
 
@@ -175,9 +175,17 @@ def build_app(args: dict[str, Any]) -> Application:
     """The Serve application from a Serve config's application args."""
     app_args = AppArgs.model_validate(args or {})
     stats_url = app_args.stats_url or os.environ.get(STATS_URL_ENV) or None
+    drafters = {  # drafters with their own deployment: one DrafterWorker each
+        d.name: DrafterWorker.options(
+            name=f"DrafterWorker-{d.name}", num_replicas=d.deployment.num_replicas,
+            max_ongoing_requests=d.deployment.max_ongoing_requests,
+            ray_actor_options={"num_cpus": d.deployment.num_cpus, "num_gpus": d.deployment.num_gpus},
+        ).bind(d.model_dump(mode="json"))
+        for d in app_args.engine.drafters if isinstance(d, ModelDrafterConfig) and d.deployment is not None
+    }
     worker = TargetWorker.options(**app_args.worker_options()).bind(
         app_args.engine.model_dump(mode="json"), app_args.routing.model_dump(mode="json"), stats_url,
-        app_args.stats_prefix, app_args.allowed_dirs,
+        app_args.stats_prefix, app_args.allowed_dirs, drafters,
     )
     return OpenAIIngress.bind(worker, app_args.model_dump(mode="json"))
 

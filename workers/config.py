@@ -83,11 +83,24 @@ class NgramDrafterConfig(_Strict):
         return self
 
 
+class DrafterDeploymentConfig(_Strict):
+    """A drafter served by its own Serve deployment (its own replicas, CPUs or GPUs) instead of
+    inside each target replica. Outside Serve (the CLI, the bench) it runs colocated."""
+
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(1, ge=0, description="per drafter replica (also torch's threads)")
+    num_gpus: float = Field(0, ge=0, description="per drafter replica")
+    max_ongoing_requests: int = Field(64, ge=1, description="draft calls one drafter replica takes at a time")
+    timeout_s: float = Field(10.0, gt=0, description="a draft call slower than this counts as a drafter error")
+
+
 class ModelDrafterConfig(_Strict):
     kind: Literal["model"] = "model"
     name: str = "model"
     model: ModelConfig = Field(description="the small causal LM; must share the target's vocabulary")
     draft_len: int = Field(4, ge=1, description="static k when the policy does not choose one")
+    deployment: DrafterDeploymentConfig | None = Field(
+        None, description="serve this drafter as its own deployment (null: inside each target replica)")
 
 
 class _CheckpointDrafterConfig(_Strict):

@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import psutil
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from workers.config import EngineConfig, RoutingConfig
 
 if TYPE_CHECKING:
+    from workers.drafters.remote import DraftCall, DraftReply
     from workers.engine import SpecEngine
     from workers.routing import RoutedGeneration, Router
 
@@ -149,18 +151,22 @@ class TargetWorker:
         stats_url: str | None = None,
         stats_prefix: str | None = None,
         allowed_dirs: list[str] | None = None,
+        drafter_handles: dict[str, DeploymentHandle] | None = None,
     ) -> None:
         """`stats_url`: redis:// URL of the statistics shared with other replicas; None: this
         replica's own, in memory. `stats_prefix`: the key prefix of that Redis store (None: the
         store's default); replicas share statistics exactly when URL and prefix are the same.
-        `allowed_dirs`: besides the shipped ones, where policies may point (policies.paths)."""
+        `allowed_dirs`: besides the shipped ones, where policies may point (policies.paths).
+        `drafter_handles`: the DrafterWorker deployments of drafters that run on their own, by name."""
         from policies.paths import allowed_dirs as resolve_allowed_dirs
         from policies.stats import make_stats_store
         from workers import engine, routing, sampling  # torch: only where a replica runs
 
         self._engine_mod, self._routing_mod, self._sampling_mod = engine, routing, sampling
         self.config = EngineConfig.model_validate(engine_config)
-        self.engine: SpecEngine = engine.SpecEngine.from_config(self.config)
+        services = {name: HandleDraftService(handle, self._remote_timeout(name))
+                    for name, handle in (drafter_handles or {}).items()}
+        self.engine: SpecEngine = engine.SpecEngine.from_config(self.config, services)
         routing_config = RoutingConfig.model_validate(routing_config or {})
         store = make_stats_store(stats_url, **({} if stats_prefix is None else {"prefix": stats_prefix}))
         self.allowed_dirs = resolve_allowed_dirs(allowed_dirs or ())
@@ -172,6 +178,12 @@ class TargetWorker:
         self._loop_task: asyncio.Task | None = None
         self._num_finished = 0
         self._num_cancelled = 0
+
+    def _remote_timeout(self, name: str) -> float:
+        (drafter,) = (d for d in self.config.drafters if d.name == name)
+        deployment = getattr(drafter, "deployment", None)
+        assert deployment is not None, f"drafter {name!r} has no deployment config"
+        return deployment.timeout_s
 
     # -- public methods (called through DeploymentHandles) ------------------------------------
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
@@ -404,6 +416,54 @@ class TargetWorker:
                 slot.gen.close()
         except Exception:
             log.exception("closing a generation failed")
+
+
+# -- drafters on their own deployment --------------------------------------------------------------
+class HandleDraftService:
+    """A DrafterWorker deployment as the DraftService a RemoteDrafter calls, from the engine
+    thread (blocking there is what a colocated drafter does too)."""
+
+    def __init__(self, handle: DeploymentHandle, timeout_s: float) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    def draft(self, call: DraftCall) -> DraftReply:
+        return self.handle.draft.remote(call).result(timeout_s=self.timeout_s)
+
+    def end(self, session: str) -> None:
+        self.handle.end.remote(session)  # best effort: a lost end is evicted on the replica
+
+
+@serve.deployment(max_ongoing_requests=64, ray_actor_options={"num_cpus": 1})
+class DrafterWorker:
+    """A model drafter served on its own (ModelDrafterConfig.deployment): sessions of a local
+    ModelDrafter, one draft call per target step (workers/drafters/remote.py)."""
+
+    def __init__(self, drafter_config: dict[str, Any]) -> None:
+        import torch
+
+        from workers.config import ModelDrafterConfig
+        from workers.drafters.model import ModelDrafter
+        from workers.drafters.remote import DraftSessions
+        from workers.target import load_model
+
+        config = ModelDrafterConfig.model_validate(drafter_config)
+        if config.deployment is not None and config.deployment.num_cpus >= 1:
+            torch.set_num_threads(int(config.deployment.num_cpus))
+        self.sessions = DraftSessions(ModelDrafter(config, load_model(config.model).model))
+        self.vocab_size = self.sessions.drafter.model.info.vocab_size
+
+    def draft(self, call: DraftCall) -> DraftReply:
+        # sync: Serve runs the calls of one replica one at a time, which a single model wants anyway
+        if call.vocab_size != self.vocab_size:
+            raise ValueError(f"drafter vocabulary size {self.vocab_size} does not match the target's {call.vocab_size}")
+        return self.sessions.draft(call)
+
+    def end(self, session: str) -> None:
+        self.sessions.end(session)
+
+    def status(self) -> dict[str, int]:
+        return {"num_sessions": len(self.sessions.sessions), "num_restarts": self.sessions.num_restarts}
 
 
 def _replica_id() -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -21,6 +21,7 @@ import torch
 from workers.config import PLAIN, EngineConfig
 from workers.drafters.base import Draft, DraftContext, Drafter
 from workers.drafters.registry import build_drafters
+from workers.drafters.remote import DraftService
 from workers.sampling import SamplingParams, make_generator, probs_from_logits
 from workers.target import LoadedModel, load_model
 from workers.verify import VerifyResult, verify_greedy, verify_sampled
@@ -346,11 +347,12 @@ class SpecEngine:
         self.needs_hidden_states = any(d.needs_hidden_states for d in drafters.values())
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> SpecEngine:
+    def from_config(cls, config: EngineConfig, services: Mapping[str, DraftService] | None = None) -> SpecEngine:
+        """`services`: drafters served by their own deployments, by name (workers/drafters/remote.py)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         target = load_model(config.target)
-        return cls(target, build_drafters(config.drafters, target), config)
+        return cls(target, build_drafters(config.drafters, target, services), config)
 
     @property
     def tokenizer(self) -> Any:

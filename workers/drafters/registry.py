@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -18,6 +18,7 @@ from workers.drafters.eagle import CheckpointError, EagleDrafter, EagleNet
 from workers.drafters.medusa import MedusaDrafter, MedusaHeads
 from workers.drafters.model import ModelDrafter
 from workers.drafters.ngram import NgramDrafter
+from workers.drafters.remote import DraftService, RemoteDrafter
 from workers.models.llama import FastLlama
 from workers.target import LoadedModel, ModelLoadError, load_model
 
@@ -58,10 +59,13 @@ def _build_medusa_drafter(config: MedusaDrafterConfig, target: LoadedModel) -> M
     return MedusaDrafter(config, heads.to(device=model.device, dtype=getattr(model, "dtype", torch.float32)), model)
 
 
-def build_drafter(config: DrafterConfig, target: LoadedModel) -> Drafter:
+def build_drafter(config: DrafterConfig, target: LoadedModel, service: DraftService | None = None) -> Drafter:
+    """`service`: where a drafter with its own deployment runs (None: build it here, colocated)."""
     if isinstance(config, NgramDrafterConfig):
         return NgramDrafter(config)
     if isinstance(config, ModelDrafterConfig):
+        if service is not None:
+            return RemoteDrafter(config, service, target.model.info.vocab_size)
         return _build_model_drafter(config, target)
     if isinstance(config, EagleDrafterConfig):
         return _build_eagle_drafter(config, target)
@@ -70,5 +74,8 @@ def build_drafter(config: DrafterConfig, target: LoadedModel) -> Drafter:
     raise TypeError(f"unknown drafter config {type(config).__name__}")
 
 
-def build_drafters(configs: Sequence[DrafterConfig], target: LoadedModel) -> dict[str, Drafter]:
-    return {c.name: build_drafter(c, target) for c in configs}
+def build_drafters(
+    configs: Sequence[DrafterConfig], target: LoadedModel, services: Mapping[str, DraftService] | None = None,
+) -> dict[str, Drafter]:
+    services = services or {}
+    return {c.name: build_drafter(c, target, services.get(c.name)) for c in configs}
