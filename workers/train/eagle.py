@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
-import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -40,37 +38,40 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from workers.config import ModelConfig
 from workers.drafters.eagle import EagleConfig, EagleNet
 from workers.models.llama import FastLlama
 from workers.target import load_model
-from workers.train.corpus import build_corpus, parse_sources
-from workers.train.features import FeatureSet, chunk_documents, extract_features, select_draft_vocab, vocab_coverage
+from workers.train.common import (
+    CARD_FILE,
+    MIN_LR_RATIO,
+    SAVE_DTYPES,
+    SPEC_BENCH_CATEGORIES,
+    STATE_DIR,
+    Batcher,
+    TrainError,
+    atomic_write_text,
+    check_resume,
+    cosine_lr,
+    load_state,
+    save_state,
+    split_windows,
+    target_features,
+    train_device,
+)
+from workers.train.corpus import parse_sources
+from workers.train.features import FeatureSet, select_draft_vocab, vocab_coverage
 
 FORMAT = "specroute-eagle-train/1"
-STATE_DIR = "train_state"
-STATE_TENSORS = "state.safetensors"
-STATE_JSON = "state.json"
-FEATURES_FILE = "features.safetensors"
-CARD_FILE = "CARD.md"
 BETAS = (0.9, 0.95)  # EAGLE's AdamW betas
-MIN_LR_RATIO = 0.1  # cosine decay ends at lr * this
-SPEC_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
-                         "translation", "summarization", "qa", "math_reasoning", "rag")
 INIT_TEXT = {
     "target": "fc = [0 | I] and zero o_proj/down_proj (the layer starts as the identity: pred = f_t); q/k/v, "
               "gate/up and the post-attention norm from the target's last layer",
     "random": "torch's default initialization of fc and the decoder layer (seeded)",
 }
 INITS = tuple(INIT_TEXT)
-_SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class TrainError(ValueError):
-    """A user error in the training settings or state; the message names the setting or file."""
 
 
 @dataclass(frozen=True)
@@ -111,12 +112,7 @@ RESUME_MUST_MATCH = ("target", "data", "max_tokens", "draft_vocab", "chunk_len",
 
 
 def lr_at(step: int, args: EagleTrainArgs) -> float:
-    """Linear warmup, then cosine decay to MIN_LR_RATIO * lr at args.steps."""
-    warm = args.warmup_steps()
-    if step < warm:
-        return args.lr * (step + 1) / warm
-    progress = min(1.0, (step - warm) / max(1, args.steps - warm))
-    return args.lr * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return cosine_lr(step, args.lr, args.steps, args.warmup_steps())
 
 
 def noise_seed(seed: int, step: int) -> int:
@@ -189,37 +185,6 @@ def gather(fs: FeatureSet, windows: list[tuple[int, int]], device: torch.device)
     return Batch(feats[:, :-1], fs.ids[idx[:, 1:]].to(device), feats[:, 1:], mask)
 
 
-def split_windows(windows: list[tuple[int, int]], eval_windows: int, seed: int) -> tuple[list, list]:
-    """(held out, train): at most eval_windows and a tenth of all are held out, chosen by the seed."""
-    n_eval = min(eval_windows, len(windows) // 10) if eval_windows > 0 else 0
-    if eval_windows > 0 and n_eval == 0 and len(windows) >= 2:
-        n_eval = 1
-    perm = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed)).tolist()
-    held = set(perm[:n_eval])
-    return ([w for i, w in enumerate(windows) if i in held], [w for i, w in enumerate(windows) if i not in held])
-
-
-class Batcher:
-    """Sample i of the run is window perm_epoch[i mod n], epoch = i // n: a function of the step."""
-
-    def __init__(self, windows: list[tuple[int, int]], batch: int, seed: int) -> None:
-        self.windows, self.batch, self.seed = windows, batch, seed
-        self._epoch, self._perm = -1, []
-
-    def at(self, step: int) -> list[tuple[int, int]]:
-        out = []
-        for i in range(step * self.batch, (step + 1) * self.batch):
-            epoch, j = divmod(i, len(self.windows))
-            if epoch != self._epoch:
-                g = torch.Generator().manual_seed(self.seed * 7919 + epoch + 1)
-                self._epoch, self._perm = epoch, torch.randperm(len(self.windows), generator=g).tolist()
-            out.append(self.windows[self._perm[j]])
-        return out
-
-    def epoch_of(self, step: int) -> float:
-        return step * self.batch / len(self.windows)
-
-
 # -- loss -------------------------------------------------------------------------------------------
 @dataclass
 class TargetParts:
@@ -271,39 +236,6 @@ def evaluate(net: EagleNet, parts: TargetParts, fs: FeatureSet, windows: list, b
 
 
 # -- state ------------------------------------------------------------------------------------------
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def save_state(state_dir: Path, net: EagleNet, opt: torch.optim.Optimizer, record: dict[str, Any]) -> None:
-    """Model + AdamW state as safetensors, the rest as JSON (written last: it commits the checkpoint)."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    sd = opt.state_dict()
-    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
-    for i, st in sd["state"].items():
-        tensors |= {f"optim.{i}.{k}": torch.as_tensor(v).detach().cpu().contiguous() for k, v in st.items()}
-    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in sd["param_groups"]]
-    tmp = state_dir / (STATE_TENSORS + ".tmp")
-    save_file(tensors, str(tmp))
-    tmp.replace(state_dir / STATE_TENSORS)
-    _atomic_write_text(state_dir / STATE_JSON, json.dumps({**record, "param_groups": groups}, indent=1) + "\n")
-
-
-def load_state(state_dir: Path, net: EagleNet, opt: torch.optim.Optimizer) -> None:
-    record = json.loads((state_dir / STATE_JSON).read_text())
-    tensors = load_file(str(state_dir / STATE_TENSORS))
-    net.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, v in tensors.items():
-        if key.startswith("optim."):
-            _, i, name = key.split(".", 2)
-            state.setdefault(int(i), {})[name] = v
-    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in record["param_groups"]]
-    opt.load_state_dict({"state": state, "param_groups": groups})
-
-
 # -- the run ----------------------------------------------------------------------------------------
 def _check_args(args: EagleTrainArgs) -> None:
     for name in ("max_tokens", "chunk_len", "steps", "batch", "seq_len", "save_every"):
@@ -319,18 +251,8 @@ def _check_args(args: EagleTrainArgs) -> None:
         raise TrainError(f"--stop-at must be in 1..--steps ({args.steps}), got {args.stop_at}")
     if args.init not in INITS:
         raise TrainError(f"--init must be one of {', '.join(INITS)}")
-    if args.save_dtype not in _SAVE_DTYPES:
-        raise TrainError(f"--save-dtype must be one of {', '.join(_SAVE_DTYPES)}")
-
-
-def _device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise TrainError(f"--device: unknown device {name!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TrainError(f"--device {name}: CUDA is not available")
-    return device
+    if args.save_dtype not in SAVE_DTYPES:
+        raise TrainError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}")
 
 
 def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -339,21 +261,9 @@ def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dic
     _check_args(args)
     out = Path(args.out)
     state_dir = out / STATE_DIR
-    saved: dict[str, Any] | None = None
-    if args.resume:
-        if not (state_dir / STATE_JSON).is_file():
-            raise TrainError(f"--resume: no training state at {state_dir / STATE_JSON}")
-        saved = json.loads((state_dir / STATE_JSON).read_text())
-        diffs = [f"--{k.replace('_', '-')} {getattr(args, k)!r} (the run has {saved['args'].get(k)!r})"
-                 for k in RESUME_MUST_MATCH if saved["args"].get(k) != getattr(args, k)]
-        if diffs:
-            raise TrainError("--resume must keep the run's settings: " + "; ".join(diffs))
-    elif (state_dir / STATE_JSON).is_file():
-        step = json.loads((state_dir / STATE_JSON).read_text()).get("step")
-        raise TrainError(f"{out} holds a training run already (at step {step}): --resume continues it, "
-                         "or choose another --out")
-    sources = parse_sources(args.data)  # bad sources fail before the target loads
-    device = _device(args.device)
+    saved = check_resume(out, args.resume, asdict(args), RESUME_MUST_MATCH)
+    parse_sources(args.data)  # bad sources fail before the target loads
+    device = train_device(args.device)
 
     loaded = load_model(ModelConfig(model=args.target, device=args.device))
     model = loaded.model
@@ -363,23 +273,8 @@ def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dic
     if args.chunk_len > model.info.max_position:
         raise TrainError(f"--chunk-len {args.chunk_len} exceeds the target's {model.info.max_position} positions")
 
-    features_path = state_dir / FEATURES_FILE
-    if args.resume and features_path.is_file():
-        fs = FeatureSet.load(features_path)
-        log(f"features: {fs.num_tokens} tokens from {features_path}")
-    else:
-        if args.resume:
-            log(f"{features_path} is gone: running the target over the corpus again")
-        corpus = build_corpus(sources, loaded.tokenizer, args.max_tokens, args.seed)
-        if corpus.num_tokens < 2:
-            raise TrainError(f"--data {args.data}: the corpus is empty")
-        fs = extract_features(model, chunk_documents(corpus.documents, args.chunk_len))
-        fs.meta["sources"] = corpus.stats
-        fs.save(features_path)
-        log(f"features: {fs.num_tokens} tokens in {fs.meta['extract_s']} s ({fs.meta['tokens_per_s']} tokens/s)")
-    if fs.features.shape[1] != model.info.hidden_size:
-        raise TrainError(f"{features_path}: features of size {fs.features.shape[1]}, the target's hidden size is "
-                         f"{model.info.hidden_size}; delete the file to extract them again")
+    fs = target_features(model, loaded.tokenizer, state_dir, data=args.data, max_tokens=args.max_tokens,
+                         seed=args.seed, chunk_len=args.chunk_len, resume=args.resume, log=log)
 
     vocab_size = model.info.vocab_size
     vocab = None
@@ -484,13 +379,13 @@ def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dic
 def write_drafter(out: Path, net: EagleNet, record: dict[str, Any], args: EagleTrainArgs) -> None:
     """The drafter in the EAGLE layout (config.json + model.safetensors) and its CARD.md."""
     cpu = copy.deepcopy(net).to("cpu")
-    cpu.to(_SAVE_DTYPES[args.save_dtype])  # floating tensors only: draft_vocab stays int64
+    cpu.to(SAVE_DTYPES[args.save_dtype])  # floating tensors only: draft_vocab stays int64
     summary = {k: record[k] for k in ("format", "step", "train_s", "corpus", "draft_vocab", "eval_initial")}
     summary |= {"steps": args.steps, "eval_final": (record["history"][-1]["eval"] if record["history"] else None),
                 "train_final": (record["history"][-1].get("train") if record["history"] else None),
                 "target": args.target, "data": args.data, "sessions": record["sessions"]}
     cpu.save(out, extra_config={"specroute_training": summary})
-    _atomic_write_text(out / CARD_FILE, render_card(record, args, net.cfg))
+    atomic_write_text(out / CARD_FILE, render_card(record, args, net.cfg))
 
 
 def _fmt_eval(ev: dict[str, float] | None) -> str:

@@ -1,0 +1,162 @@
+"""What every drafter trainer shares: the run's files, resumable state without pickle, the
+learning-rate schedule, and a data order that is a function of the step (so a resumed run
+repeats the uninterrupted one exactly)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from workers.models.llama import FastLlama
+from workers.train.corpus import build_corpus, parse_sources
+from workers.train.features import FeatureSet, chunk_documents, extract_features
+
+STATE_DIR = "train_state"
+STATE_TENSORS = "state.safetensors"
+STATE_JSON = "state.json"
+FEATURES_FILE = "features.safetensors"
+CARD_FILE = "CARD.md"
+MIN_LR_RATIO = 0.1  # cosine decay ends at lr * this
+SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SPEC_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
+                         "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+class TrainError(ValueError):
+    """A user error in the training settings or state; the message names the setting or file."""
+
+
+def cosine_lr(step: int, lr: float, steps: int, warmup: int) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to MIN_LR_RATIO * lr at `steps`."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return lr * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise TrainError(f"--device: unknown device {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrainError(f"--device {name}: CUDA is not available")
+    return device
+
+
+def split_windows(windows: list[tuple[int, int]], eval_windows: int, seed: int) -> tuple[list, list]:
+    """(held out, train): at most eval_windows and a tenth of all are held out, chosen by the seed."""
+    n_eval = min(eval_windows, len(windows) // 10) if eval_windows > 0 else 0
+    if eval_windows > 0 and n_eval == 0 and len(windows) >= 2:
+        n_eval = 1
+    perm = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed)).tolist()
+    held = set(perm[:n_eval])
+    return ([w for i, w in enumerate(windows) if i in held], [w for i, w in enumerate(windows) if i not in held])
+
+
+class Batcher:
+    """Sample i of the run is window perm_epoch[i mod n], epoch = i // n: a function of the step."""
+
+    def __init__(self, windows: list[tuple[int, int]], batch: int, seed: int) -> None:
+        self.windows, self.batch, self.seed = windows, batch, seed
+        self._epoch, self._perm = -1, []
+
+    def at(self, step: int) -> list[tuple[int, int]]:
+        out = []
+        for i in range(step * self.batch, (step + 1) * self.batch):
+            epoch, j = divmod(i, len(self.windows))
+            if epoch != self._epoch:
+                g = torch.Generator().manual_seed(self.seed * 7919 + epoch + 1)
+                self._epoch, self._perm = epoch, torch.randperm(len(self.windows), generator=g).tolist()
+            out.append(self.windows[self._perm[j]])
+        return out
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.batch / len(self.windows)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def save_state(state_dir: Path, net: torch.nn.Module, opt: torch.optim.Optimizer, record: dict[str, Any]) -> None:
+    """Model + AdamW state as safetensors, the rest as JSON (written last: it commits the checkpoint)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    sd = opt.state_dict()
+    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
+    for i, st in sd["state"].items():
+        tensors |= {f"optim.{i}.{k}": torch.as_tensor(v).detach().cpu().contiguous() for k, v in st.items()}
+    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in sd["param_groups"]]
+    tmp = state_dir / (STATE_TENSORS + ".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(state_dir / STATE_TENSORS)
+    atomic_write_text(state_dir / STATE_JSON, json.dumps({**record, "param_groups": groups}, indent=1) + "\n")
+
+
+def load_state(state_dir: Path, net: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    record = json.loads((state_dir / STATE_JSON).read_text())
+    tensors = load_file(str(state_dir / STATE_TENSORS))
+    net.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, v in tensors.items():
+        if key.startswith("optim."):
+            _, i, name = key.split(".", 2)
+            state.setdefault(int(i), {})[name] = v
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in record["param_groups"]]
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def check_resume(out: Path, resume: bool, args: dict[str, Any], must_match: tuple[str, ...]) -> dict[str, Any] | None:
+    """The saved record of the run in `out` when resuming (its settings must equal `args` on
+    `must_match`); None for a new run, which `out` must not hold already."""
+    state_dir = out / STATE_DIR
+    if resume:
+        if not (state_dir / STATE_JSON).is_file():
+            raise TrainError(f"--resume: no training state at {state_dir / STATE_JSON}")
+        saved = json.loads((state_dir / STATE_JSON).read_text())
+        diffs = [f"--{k.replace('_', '-')} {args[k]!r} (the run has {saved['args'].get(k)!r})"
+                 for k in must_match if saved["args"].get(k) != args[k]]
+        if diffs:
+            raise TrainError("--resume must keep the run's settings: " + "; ".join(diffs))
+        return saved
+    if (state_dir / STATE_JSON).is_file():
+        step = json.loads((state_dir / STATE_JSON).read_text()).get("step")
+        raise TrainError(f"{out} holds a training run already (at step {step}): --resume continues it, "
+                         "or choose another --out")
+    return None
+
+
+def target_features(
+    model: FastLlama, tokenizer: Any, state_dir: Path, *, data: str, max_tokens: int, seed: int, chunk_len: int,
+    resume: bool, log: Callable[[str], None], source: str | None = None,
+) -> FeatureSet:
+    """The run's features: `source` (a features file of another run) if given, else the run's own
+    when resuming, else the target run over the corpus now (and saved, for a resume)."""
+    path = Path(source) if source else state_dir / FEATURES_FILE
+    if source or (resume and path.is_file()):
+        if not path.is_file():
+            raise TrainError(f"--features: no file {path}")
+        fs = FeatureSet.load(path)
+        log(f"features: {fs.num_tokens} tokens from {path}")
+    else:
+        if resume:
+            log(f"{path} is gone: running the target over the corpus again")
+        corpus = build_corpus(parse_sources(data), tokenizer, max_tokens, seed)
+        if corpus.num_tokens < 2:
+            raise TrainError(f"--data {data}: the corpus is empty")
+        fs = extract_features(model, chunk_documents(corpus.documents, chunk_len))
+        fs.meta["sources"] = corpus.stats
+        fs.save(path)
+        log(f"features: {fs.num_tokens} tokens in {fs.meta['extract_s']} s ({fs.meta['tokens_per_s']} tokens/s)")
+    if fs.features.shape[1] != model.info.hidden_size:
+        raise TrainError(f"{path}: features of size {fs.features.shape[1]}, the target's hidden size is "
+                         f"{model.info.hidden_size}; delete the file to extract them again")
+    return fs
