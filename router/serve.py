@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from router.cli import CLIError, describe_validation_error, read_yaml
 
 QUIET_LOGGING = {"log_level": "WARNING"}  # Serve's per-request access logs are INFO
 SERVE_SHUTDOWN_TIMEOUT_S = 10.0
+DEPLOY_TIMEOUT_S = 900.0  # the first start converts the GGUF target once
 
 
 def load_serve_config(path: Path) -> dict[str, Any]:
@@ -65,24 +67,32 @@ def start_ray() -> None:
 
 
 def serve(config_path: Path, host: str = "127.0.0.1", port: int = 8000, blocking: bool = True) -> None:
-    """Deploy the config's first application on a new local Ray instance; when blocking, wait for
-    Ctrl-C (or SIGTERM) and shut everything down."""
+    """Deploy the config on a new local Ray instance the way `serve run CONFIG` and `serve deploy`
+    do (Serve's controller builds the application, so `deployments:` overrides and `user_config`
+    apply), with host and port from the command line; when blocking, wait for Ctrl-C (or SIGTERM)
+    and shut everything down."""
     import ray
-    from ray import serve as ray_serve
+    from ray.serve._private import api as serve_api  # what `serve run CONFIG` calls (ray.serve.scripts)
+    from ray.serve.schema import ServeDeploySchema
 
     config = load_serve_config(config_path)
     app_config = config["applications"][0]
-    app = _build(app_config)  # bad args are reported before Ray starts
+    _build(app_config)  # bad args are reported before Ray starts
+    schema = ServeDeploySchema.model_validate({
+        **config, "http_options": {**(config.get("http_options") or {}), "host": host, "port": port},
+        "logging_config": config.get("logging_config") or QUIET_LOGGING,
+    })
     start_ray()
     try:
-        ray_serve.start(
-            proxy_location=config.get("proxy_location", "HeadOnly"),
-            http_options={"host": host, "port": port}, logging_config=QUIET_LOGGING,
-        )
-        ray_serve.run(app, name=app_config.get("name", "specroute"),
-                      route_prefix=app_config.get("route_prefix", "/"), logging_config=QUIET_LOGGING)
+        client = serve_api.serve_start(http_options=schema.http_options.model_dump(),
+                                       proxy_location=schema.proxy_location,
+                                       global_logging_config=schema.logging_config)
+        client.deploy_apps(schema)
+        _wait_until_running([app.name for app in schema.applications])
     except BaseException as e:
         shutdown()
+        if isinstance(e, CLIError):
+            raise
         if isinstance(e, Exception):
             raise CLIError(f"deploying the application failed: {e}") from None
         raise
@@ -103,6 +113,25 @@ def serve(config_path: Path, host: str = "127.0.0.1", port: int = 8000, blocking
         print("shutting down", flush=True)
         shutdown()
     assert not ray.is_initialized()
+
+
+def _wait_until_running(names: list[str], timeout_s: float = DEPLOY_TIMEOUT_S) -> None:
+    """Until every application is RUNNING; a failed deploy raises CLIError with Serve's message."""
+    from ray import serve as ray_serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        apps = ray_serve.status().applications
+        statuses = {name: apps[name] if name in apps else None for name in names}
+        failed = {n: a for n, a in statuses.items() if a is not None and a.status == "DEPLOY_FAILED"}
+        if failed:
+            raise CLIError("; ".join(f"application {n!r} failed to deploy: {a.message}" for n, a in failed.items()))
+        if all(a is not None and a.status == "RUNNING" for a in statuses.values()):
+            return
+        if time.monotonic() > deadline:
+            raise CLIError(f"the applications were not running after {timeout_s:.0f} s: "
+                           + ", ".join(f"{n}: {a.status if a else 'not deployed'}" for n, a in statuses.items()))
+        time.sleep(0.5)
 
 
 def shutdown() -> None:

@@ -39,9 +39,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_tiny_app(engine: EngineConfig, workdir: Path, model_name: str, **args: Any) -> Iterator[str]:
+def serve_tiny_app(engine: EngineConfig, workdir: Path, model_name: str, deployments: list[dict] | None = None,
+                   **args: Any) -> Iterator[str]:
     """Ray (local) and the Serve app on 127.0.0.1, one CPU replica unless `args` say otherwise;
-    yields the base URL and shuts Serve down after."""
+    `deployments`: the Serve config's per-deployment overrides. Yields the base URL and shuts
+    Serve down after."""
     from router.serve import serve, shutdown
 
     port = free_port()
@@ -52,7 +54,7 @@ def serve_tiny_app(engine: EngineConfig, workdir: Path, model_name: str, **args:
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": port},
         "applications": [{"name": "specroute", "route_prefix": "/", "import_path": "router.app:build_app",
-                          "args": app_args}],
+                          "args": app_args, "deployments": deployments or []}],
     }
     path = workdir / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
