@@ -9,6 +9,14 @@ t_draft(k) + t_verify(k); plain decoding emits one token per t_plain. So
 A drafter that proposes only on a fraction m of its steps (prompt lookup needs a match) has
 t_verify(k) = m T(1 + k) + (1 - m) T(1), and the prefix probabilities count unproposed steps as
 rejected.
+
+A replica interleaves its requests step by step, so a request's longer step delays every other
+request's next token. With the others emitting A tokens per round in steps worth B plain steps
+(`RoundLoad`), the replica's throughput with this request drafting k, over its throughput with
+this request decoding plainly, is
+    (A + E(k)) (B + 1) / ((A + 1) (B + c(k))),    c(k) = (t_draft(k) + t_verify(k)) / t_plain,
+which is the speedup above when the request runs alone (A = B = 0), and below 1 when drafting's
+marginal tokens per marginal plain step, (E(k) - 1) / (c(k) - 1), fall short of the round's rate.
 Pure functions: no I/O, no clock, no randomness.
 """
 
@@ -50,12 +58,28 @@ class StepCosts:
         return k * self.draft_s_per_token + m * self.verify_s[k] + (1.0 - m) * self.verify_s[0]
 
 
-def predicted_speedup(prefix: Sequence[float], k: int, costs: StepCosts) -> float:
-    """Speedup of drafting k tokens per step over plain decoding (1.0 at k = 0)."""
+@dataclass(frozen=True)
+class RoundLoad:
+    """The requests a replica interleaves with this one, per round (one step each): the tokens
+    they emit and what their steps cost, in plain steps of this replica. Zero: alone."""
+
+    tokens: float = 0.0
+    plain_steps: float = 0.0
+
+
+ALONE = RoundLoad()
+
+
+def predicted_speedup(prefix: Sequence[float], k: int, costs: StepCosts, load: RoundLoad = ALONE) -> float:
+    """The replica's throughput with this request drafting k tokens per step over its throughput
+    with the request decoding plainly (1.0 at k = 0); alone, the request's own speedup."""
     if k == 0:
         return 1.0
     step_s = costs.step_s(k)
-    return expected_tokens(prefix, k) * costs.plain_s / step_s if step_s > 0 else math.inf
+    if step_s <= 0:
+        return math.inf
+    e, c = expected_tokens(prefix, k), step_s / costs.plain_s
+    return (load.tokens + e) * (load.plain_steps + 1.0) / ((load.tokens + 1.0) * (load.plain_steps + c))
 
 
 @dataclass(frozen=True)
@@ -64,11 +88,12 @@ class BestDraftLen:
     speedup: float
 
 
-def best_draft_len(prefix: Sequence[float], costs: StepCosts, k_min: int, k_max: int) -> BestDraftLen:
+def best_draft_len(prefix: Sequence[float], costs: StepCosts, k_min: int, k_max: int,
+                   load: RoundLoad = ALONE) -> BestDraftLen:
     """The k in [k_min, k_max] with the highest predicted speedup; k = 0 (plain) when none beats 1."""
     best = BestDraftLen(0, 1.0)
     for k in range(max(k_min, 1), min(k_max, len(costs.verify_s) - 1) + 1):
-        speedup = predicted_speedup(prefix, k, costs)
+        speedup = predicted_speedup(prefix, k, costs, load)
         if speedup > best.speedup:
             best = BestDraftLen(k, speedup)
     return best

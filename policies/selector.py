@@ -24,7 +24,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from policies.cost import BestDraftLen, StepCosts, best_draft_len, predicted_speedup
+from policies.cost import ALONE, BestDraftLen, RoundLoad, StepCosts, best_draft_len, predicted_speedup
 from policies.records import PLAIN, AcceptanceCounts, StatsSnapshot, context_bucket
 from policies.schema import DEFAULT_PRIOR, MAX_DRAFT_LEN, DomainPolicy, ExplorationSettings, Policy
 
@@ -282,7 +282,9 @@ class StepController:
 
     Each drafter's estimate starts as the plan's (global) estimate, worth REQUEST_PRIOR_STEPS
     steps, and adds this request's own steps and shadow scores. Every step picks the drafter
-    and k with the best predicted speedup. Drafting stops when it falls below the domain's
+    and k with the best predicted speedup: of the replica's throughput, when `load` says other
+    requests share the replica (policies/cost.py), so a drafter that speeds this request up
+    by slowing the others more is turned down. Drafting stops when it falls below the domain's
     fallback threshold and resumes only above threshold + hysteresis; meanwhile a drafter that
     gets no shadow scores (not cheap) is probed every `probe_every_steps` steps at k_min.
     """
@@ -310,6 +312,8 @@ class StepController:
         # the reason of each switch to plain, a plan that starts plain included
         self.fallbacks: list[str] = [LOW_SPEEDUP] if plan.reason == FALLBACK else []
         self.trajectory: list[tuple[str, int]] = []  # (drafter, k) per step
+        # the other requests of the replica (policies/cost.py), set before each step by the caller
+        self.load: RoundLoad = ALONE
 
     def estimate(self, drafter: str) -> Acceptance:
         return self._prior[drafter].update(self._local[drafter].counts())
@@ -322,9 +326,9 @@ class StepController:
                 continue
             est = self.estimate(name)
             costs = self.costs.for_drafter(name, est.proposes)
-            best = best_draft_len(est.prefix, costs, self.dp.k_min, self.dp.k_max)
+            best = best_draft_len(est.prefix, costs, self.dp.k_min, self.dp.k_max, self.load)
             if best.draft_len == 0 and not self.fallback_allowed:  # no plain to fall back to: draft least
-                best = BestDraftLen(self.dp.k_min, predicted_speedup(est.prefix, self.dp.k_min, costs))
+                best = BestDraftLen(self.dp.k_min, predicted_speedup(est.prefix, self.dp.k_min, costs, self.load))
             arms.append(ArmValue(name, best.draft_len, best.speedup, best.speedup, est.weight[0]))
         return sorted(arms, key=lambda a: -a.predicted_speedup)
 
@@ -349,7 +353,9 @@ class StepController:
             return StepChoice(best.drafter, best.draft_len, reason, best.predicted_speedup)
         # plain: come back when the estimate clears threshold + hysteresis, or probe
         self._plain_steps += 1
-        if best is not None and best.predicted_speedup > threshold + self.dp.hysteresis:
+        # under load a request's own gain moves the replica's throughput by about 1 / (1 + B) of it:
+        # the hysteresis shrinks alike, or a shared replica would never come back
+        if best is not None and best.predicted_speedup > threshold + self.dp.hysteresis / (1 + self.load.plain_steps):
             self.plain = False
             return StepChoice(best.drafter, best.draft_len, RECOVER, best.predicted_speedup)
         if self._plain_steps % self.exploration.probe_every_steps == 0:

@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 import yaml
 
+from policies.cost import ALONE, RoundLoad
 from policies.records import PLAIN, StepRecord
 from policies.schema import PolicyError, load_policy
 from policies.selector import FALLBACK, FORCED
 from policies.stats import MemoryStats, RedisStats
 from workers.engine import RequestError, SpecEngine
-from workers.routing import RoutedGeneration, Router, Speculation, generate, measure_costs
+from workers.routing import RoutedGeneration, Router, Speculation, generate, measure_costs, round_load
 from workers.sampling import SamplingParams
 
 TEXTS = [
@@ -283,3 +284,10 @@ def test_watched_policy_file_reloads_and_a_bad_one_is_refused(router: Router, tm
     assert not router.reload_if_changed(now=124.0) and router.policy.version == "test-3"
     path.unlink()  # a vanished file is a change that fails to load: the policy stays
     assert not router.reload_if_changed(now=130.0) and router.policy.version == "test-3"
+
+
+def test_round_load_is_the_other_requests_latest_steps_in_plain_steps() -> None:
+    assert round_load([(3, 0.08), None, (1, 0.04)], plain_s=0.04) == RoundLoad(tokens=4, plain_steps=pytest.approx(3.0))
+    assert round_load([], plain_s=0.04) == ALONE  # alone on the replica
+    assert round_load([None], plain_s=0.04) == ALONE  # the other has not stepped yet
+    assert round_load([(3, 0.08)], plain_s=None) == ALONE  # no measured plain step: no unit to count in

@@ -29,6 +29,7 @@ from ray.serve.handle import DeploymentHandle
 from workers.config import EngineConfig, RoutingConfig
 
 if TYPE_CHECKING:
+    from policies.cost import RoundLoad
     from workers.drafters.remote import DraftCall, DraftReply
     from workers.engine import SpecEngine
     from workers.routing import RoutedGeneration, Router
@@ -139,6 +140,7 @@ class _Slot:
     num_sent_ids: int = 0
     sent_text: str = ""
     abandoned: bool = False  # set by the consumer when it stops reading (finished or cancelled)
+    last_step: tuple[int, float] | None = None  # (tokens emitted, seconds) of its latest step
 
 
 @serve.deployment(max_ongoing_requests=16, ray_actor_options={"num_cpus": 1})
@@ -325,6 +327,12 @@ class TargetWorker:
             for slot in list(self._active):  # one step each, round-robin
                 await self._advance(slot)
 
+    def _load_of(self, slot: _Slot) -> RoundLoad:
+        """The other active requests' latest steps: what this request's step length delays."""
+        costs = self.router.costs
+        return self._routing_mod.round_load([s.last_step for s in self._active if s is not slot],
+                                            costs.plain_s if costs else None)
+
     async def _advance(self, slot: _Slot) -> None:
         if slot.abandoned:
             self._remove(slot)
@@ -332,7 +340,7 @@ class TargetWorker:
             await self._on_engine(self._close, slot)
             return
         try:
-            chunk = await self._on_engine(self._step, slot)
+            chunk = await self._on_engine(self._step, slot, self._load_of(slot))
         except Exception as e:
             log.exception("generation failed")
             self._remove(slot)
@@ -370,10 +378,11 @@ class TargetWorker:
             param = {"prompt": r.prompt_param, "drafter": "speculation.drafter"}.get(e.param, e.param)
             raise InvalidRequest(str(e), param, e.code) from None
 
-    def _step(self, slot: _Slot) -> Chunk:
+    def _step(self, slot: _Slot, load: RoundLoad) -> Chunk:
         routed = slot.gen
         assert routed is not None
-        routed.step()
+        stats = routed.step(load)
+        slot.last_step = (stats.num_emitted, stats.draft_s + stats.verify_s)
         gen = routed.gen
         output_ids = gen.output_ids
         new_ids = output_ids[slot.num_sent_ids :]

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from policies.classifier import Classification, DomainClassifier
+from policies.cost import ALONE, RoundLoad
 from policies.paths import PathNotAllowed, confine
 from policies.records import Record, RequestRecord, ShadowRecord, StepRecord
 from policies.schema import Policy, PolicyError, check_policy_drafters, load_policy
@@ -253,7 +254,9 @@ class RoutedGeneration:
     def finished(self) -> bool:
         return self.gen.finished
 
-    def step(self) -> StepStats:
+    def step(self, load: RoundLoad = ALONE) -> StepStats:
+        """One step; `load`: the other requests this replica interleaves with this one."""
+        self.controller.load = load
         choice = self.controller.next()
         stats = self.gen.step(choice.drafter, choice.draft_len, shadow=self.shadow)
         if stats.fallback_reason is not None or stats.draft_len > 0:  # not a step clipped to k = 0 at the end
@@ -319,6 +322,16 @@ class RoutedGeneration:
             self.gen.close()
         if not self.finished:
             self._flush()
+
+
+def round_load(others: Sequence[tuple[int, float] | None], plain_s: float | None) -> RoundLoad:
+    """A request's RoundLoad from the latest step of every other request on the replica, (tokens
+    emitted, seconds), None before its first: their sums, in plain steps of `plain_s` seconds.
+    Without a measured plain step (no calibration) the request is planned as if alone."""
+    known = [s for s in others if s is not None]
+    if not plain_s or plain_s <= 0 or not known:
+        return ALONE
+    return RoundLoad(sum(t for t, _ in known), sum(s for _, s in known) / plain_s)
 
 
 def _mtime_ns(path: Path) -> int | None:
