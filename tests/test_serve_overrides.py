@@ -12,6 +12,8 @@ from helpers import serve_tiny_app
 from workers.config import EngineConfig
 
 MODEL = "tiny-test-model"
+
+
 def test_serve_config_overrides_and_user_config_apply(tiny_config: EngineConfig, tmp_path: Path) -> None:
     """`specroute serve` deploys like `serve deploy`: a `deployments:` entry (here the policy as
     user_config, next to an option override) reaches the replicas."""
