@@ -1,4 +1,5 @@
-"""The `specroute` command line: serve, generate, bench, policy check, train-classifier, train-drafter.
+"""The `specroute` command line: serve, generate, bench, policy check, train-classifier, train-drafter,
+gen-answers.
 
 Heavy imports (torch, Ray) happen inside each command so `specroute --help` stays instant and a
 bad argument is reported before any model loads.
@@ -7,6 +8,7 @@ bad argument is reported before any model loads.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -44,7 +46,7 @@ def read_yaml(path: Path) -> dict:
         data = yaml.safe_load(path.read_text()) or {}
     except OSError as e:
         raise CLIError(f"cannot read config {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise CLIError(f"config {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise CLIError(f"config {path}: expected a mapping at the top level")
@@ -202,9 +204,11 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
     except PolicyError as e:
         raise CLIError(str(e)) from None
     try:
-        check_policy_drafters(policy, configured)
+        usable = check_policy_drafters(policy, configured)
     except PolicyError as e:
         raise CLIError(f"policy {args.file}: {e}") from None
+    for line in usable.ignored:
+        print(f"warning: {line}; an engine without it ignores it", file=sys.stderr)
     print(f"ok: policy {policy.version}, {len(policy.domains)} domains")
     return 0
 
@@ -228,39 +232,78 @@ def cmd_train_classifier(args: argparse.Namespace) -> int:
     return 0
 
 
-DRAFTER_KINDS_TRAINABLE = ("eagle",)
-DRAFTER_KINDS_PLANNED = ("medusa", "model")
+DRAFTER_KINDS_TRAINABLE = ("eagle", "medusa")
+DRAFTER_KINDS_PLANNED = ("model",)
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
+    available = ", ".join(DRAFTER_KINDS_TRAINABLE)
     if args.kind in DRAFTER_KINDS_PLANNED:
-        raise CLIError(f"--kind {args.kind}: training is not yet available (available: eagle)")
+        raise CLIError(f"--kind {args.kind}: training is not yet available (available: {available})")
     if args.kind not in DRAFTER_KINDS_TRAINABLE:
-        raise CLIError(f"--kind: unknown drafter kind {args.kind!r} (available: eagle)")
+        raise CLIError(f"--kind: unknown drafter kind {args.kind!r} (available: {available})")
     from workers.target import ModelLoadError
+    from workers.train.common import TrainError
     from workers.train.corpus import CorpusError
-    from workers.train.eagle import EagleTrainArgs, TrainError, train_eagle
+    from workers.train.eagle import EagleTrainArgs, train_eagle
+    from workers.train.medusa import MedusaTrainArgs, train_medusa
 
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "kind", "resume", "train_head")}
-    command = "specroute train-drafter --kind eagle " + " ".join(
-        [*(f"--{k.replace('_', '-')} {v}" for k, v in options.items() if v is not None),
-         *(f"--{flag.replace('_', '-')}" for flag in ("train_head", "resume") if getattr(args, flag))]
-    )
+    cls, train = {"eagle": (EagleTrainArgs, train_eagle), "medusa": (MedusaTrainArgs, train_medusa)}[args.kind]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    # flags left at their default are not given (None, or False for switches): the kind's own default applies
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "kind") and v not in (None, False)}
+    if wrong := sorted(k for k in given if k not in fields):
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in wrong)
+        raise CLIError(f"{flags}: not an option of --kind {args.kind}")
+    given["out"] = str(args.out)
+    command = f"specroute train-drafter --kind {args.kind} " + " ".join(
+        f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in given.items() if k != "resume"
+    ) + (" --resume" if args.resume else "")
     try:
-        record = train_eagle(EagleTrainArgs(**{**options, "out": str(args.out), "train_head": args.train_head,
-                                               "resume": args.resume, "command": command}),
-                             log=lambda line: print(line, file=sys.stderr))
+        record = train(cls(**given, command=command), log=lambda line: print(line, file=sys.stderr))
     except (TrainError, CorpusError, ModelLoadError) as e:
         raise CLIError(str(e)) from None
     except OSError as e:
         raise CLIError(f"cannot write {args.out}: {e.strerror}") from None
     last = record["history"][-1] if record["history"] else {}
     before, after = record.get("eval_initial") or {}, last.get("eval") or {}
-    scores = (f"held-out loss {before['loss']:.4f} -> {after['loss']:.4f}, top-1 agreement "
-              f"{before['top1']:.4f} -> {after['top1']:.4f}" if before and after else "no held-out windows")
-    print(f"ok: EAGLE drafter at step {record['step']}/{args.steps}, {scores}; "
+    if args.kind == "eagle":
+        scores = (f"held-out loss {before['loss']:.4f} -> {after['loss']:.4f}, top-1 agreement "
+                  f"{before['top1']:.4f} -> {after['top1']:.4f}" if before and after else "no held-out windows")
+    else:
+        scores = ", ".join(f"head {i} top-1 {before[f'top1_{i}']:.4f} -> {after[f'top1_{i}']:.4f}"
+                           for i in range(record["args"]["num_heads"]) if f"top1_{i}" in after and before) \
+            or "no held-out windows"
+    print(f"ok: {args.kind} drafter at step {record['step']}/{record['args']['steps']}, {scores}; "
           f"draft vocabulary {record['draft_vocab']['size']} covers {record['draft_vocab']['coverage']:.2%}; "
           f"wrote {args.out / 'CARD.md'}")
+    return 0
+
+
+def cmd_gen_answers(args: argparse.Namespace) -> int:
+    from workers.config import ModelConfig
+    from workers.target import ModelLoadError, load_hf
+    from workers.train.answers import generate_answers, read_prompts
+    from workers.train.corpus import CorpusError
+
+    for path in args.prompts:
+        if not path.is_file():
+            raise CLIError(f"--prompts: no file {path}")
+    try:
+        rows, skipped = read_prompts(args.prompts, args.heldout_mod, args.limit)
+        if not rows:
+            raise CLIError("--prompts: no prompts to answer (every one is held out)")
+        model, tokenizer, _ = load_hf(ModelConfig(model=args.target, device=args.device))
+        stats = generate_answers(model, tokenizer, rows, args.out, max_tokens=args.max_tokens, batch=args.batch,
+                                 max_prompt_tokens=args.max_prompt_tokens,
+                                 log=lambda line: print(line, file=sys.stderr))
+    except (CorpusError, ModelLoadError) as e:
+        raise CLIError(str(e)) from None
+    except OSError as e:
+        raise CLIError(f"cannot write {args.out}: {e.strerror}") from None
+    print(f"ok: {stats['written']} answers ({stats['tokens']} tokens) in {stats['wall_s']} s; "
+          f"{stats['already_done']} already in {args.out}, {stats['too_long']} prompts over "
+          f"--max-prompt-tokens, {skipped} held-out Spec-Bench questions skipped; wrote {args.out}")
     return 0
 
 
@@ -340,39 +383,63 @@ def build_parser() -> argparse.ArgumentParser:
                     help="question_id %% N == 0 is held out: never trained on, scored (default 5)")
     tc.set_defaults(func=cmd_train_classifier)
 
-    td = sub.add_parser("train-drafter", help="train a drafter on the target's features (EAGLE-1 head)")
-    td.add_argument("--kind", default="eagle", help="eagle (medusa, model: not yet available)")
+    td = sub.add_parser("train-drafter", help="train a drafter on the target's features (EAGLE-1 head, Medusa-1 heads)")
+    td.add_argument("--kind", default="eagle", help="eagle or medusa (model: not yet available)")
     td.add_argument("--target", default=DEFAULT_TARGET_MODEL, help="the target model (default: the shipped one)")
     td.add_argument("--data", required=True,
                     help="comma list of sources: stdlib (Python's standard library source), pydoc (Python's "
-                         "documentation topics), chat:PATH.jsonl ({prompt, answer} lines); never Spec-Bench")
-    td.add_argument("--out", type=Path, required=True, help="drafter folder: config.json, model.safetensors, CARD.md")
-    td.add_argument("--max-tokens", type=_positive_int, default=1_000_000, help="corpus size cap (tokens)")
-    td.add_argument("--draft-vocab", type=_non_negative_int, default=8192,
-                    help="rows of the draft head: the most frequent corpus tokens (0: the full vocabulary)")
-    td.add_argument("--chunk-len", type=_positive_int, default=512, help="tokens per target forward (features)")
-    td.add_argument("--steps", type=_positive_int, default=2000)
-    td.add_argument("--batch", type=_positive_int, default=8)
-    td.add_argument("--seq-len", type=_positive_int, default=256, help="pairs per training window")
-    td.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (AdamW)")
+                         "documentation topics), chat:PATH.jsonl ({prompt, answer} lines, e.g. from gen-answers; never "
+                         "held-out Spec-Bench); NAME*W weights a source's share (default 1)")
+    td.add_argument("--out", type=Path, required=True,
+                    help="drafter folder: config.json, the weights (safetensors), CARD.md")
+    # defaults None: each kind's own default (workers/train/eagle.py, medusa.py) applies
+    td.add_argument("--max-tokens", type=_positive_int, default=None, help="corpus size cap (tokens; default 1M)")
+    td.add_argument("--draft-vocab", type=_non_negative_int, default=None,
+                    help="rows of the draft head: the most frequent corpus tokens (0: all; default 8192)")
+    td.add_argument("--chunk-len", type=_positive_int, default=None, help="tokens per target forward (features)")
+    td.add_argument("--steps", type=_positive_int, default=None, help="default 2000")
+    td.add_argument("--batch", type=_positive_int, default=None)
+    td.add_argument("--seq-len", type=_positive_int, default=None, help="positions per training window")
+    td.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW; eagle 1e-4, medusa 1e-3)")
     td.add_argument("--warmup", type=_non_negative_int, default=None, help="warmup steps (default: 5%% of --steps)")
-    td.add_argument("--weight-decay", type=float, default=0.0)
-    td.add_argument("--w-cls", type=float, default=0.1, help="weight of the cross-entropy term (EAGLE: 0.1)")
-    td.add_argument("--noise", type=float, default=0.1, help="uniform noise U(-x, x) on input features (EAGLE: 0.1)")
-    td.add_argument("--grad-clip", type=float, default=0.5)
-    td.add_argument("--seed", type=int, default=0)
-    td.add_argument("--device", default="cpu", help="torch device for the target and the training (cpu, cuda)")
-    td.add_argument("--save-every", type=_positive_int, default=500, help="checkpoint every N steps")
+    td.add_argument("--weight-decay", type=float, default=None)
+    td.add_argument("--grad-clip", type=float, default=None)
+    td.add_argument("--seed", type=int, default=None)
+    td.add_argument("--device", default=None, help="torch device for the target and the training (cpu, cuda)")
+    td.add_argument("--save-every", type=_positive_int, default=None, help="checkpoint every N steps (default 500)")
     td.add_argument("--stop-at", type=_positive_int, default=None,
                     help="stop after step N with a checkpoint (the schedule still spans --steps); --resume continues")
     td.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    td.add_argument("--train-head", action="store_true", help="train the draft head too (default: frozen)")
-    td.add_argument("--init", choices=("target", "random"), default="target",
-                    help="target: an identity layer reading with the target's last layer's weights; random: torch's")
-    td.add_argument("--eval-windows", type=_non_negative_int, default=64, help="held-out windows for the loss report")
-    td.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+    td.add_argument("--eval-windows", type=_non_negative_int, default=None, help="held-out windows for the report")
+    td.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), default=None,
                     help="dtype of the saved drafter weights (training is float32)")
+    eagle = td.add_argument_group("eagle")
+    eagle.add_argument("--w-cls", type=float, default=None, help="weight of the cross-entropy term (EAGLE: 0.1)")
+    eagle.add_argument("--noise", type=float, default=None, help="uniform noise U(-x, x) on input features (0.1)")
+    eagle.add_argument("--train-head", action="store_true", help="train the draft head too (default: frozen)")
+    eagle.add_argument("--init", choices=("target", "random"), default=None,
+                       help="target: an identity layer reading with the target's last layer's weights; random: torch's")
+    medusa = td.add_argument_group("medusa")
+    medusa.add_argument("--num-heads", type=_positive_int, default=None, help="heads (default 3)")
+    medusa.add_argument("--num-layers", type=_positive_int, default=None, help="residual blocks per head (default 1)")
+    medusa.add_argument("--decay", type=float, default=None, help="head i's loss weight decay^i (Medusa: 0.8)")
+    medusa.add_argument("--features", default=None,
+                        help="an earlier run's train_state/features.safetensors instead of running the target")
     td.set_defaults(func=cmd_train_drafter)
+
+    ga = sub.add_parser("gen-answers", help="the target's greedy answers to prompts: chat data for train-drafter")
+    ga.add_argument("--prompts", type=Path, action="append", required=True,
+                    help="JSONL: Spec-Bench questions (first turn, train split only) or {prompt} lines (repeatable)")
+    ga.add_argument("--out", type=Path, required=True, help="JSONL of {prompt, answer} lines (continued if present)")
+    ga.add_argument("--target", default=DEFAULT_TARGET_MODEL, help="the target model (default: the shipped one)")
+    ga.add_argument("--max-tokens", type=_positive_int, default=256, help="answer length cap (tokens)")
+    ga.add_argument("--batch", type=_positive_int, default=8, help="prompts per generate call")
+    ga.add_argument("--max-prompt-tokens", type=_positive_int, default=1024, help="longer prompts are skipped")
+    ga.add_argument("--heldout-mod", type=_positive_int, default=5,
+                    help="Spec-Bench question_id %% N == 0 is held out: never answered (default 5)")
+    ga.add_argument("--limit", type=_positive_int, default=None, help="answer at most the first N prompts")
+    ga.add_argument("--device", default="cpu")
+    ga.set_defaults(func=cmd_gen_answers)
     return parser
 
 

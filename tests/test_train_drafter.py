@@ -111,7 +111,8 @@ def test_resume_repeats_the_uninterrupted_run(trained: Path, tiny_llama_dir: Pat
 
 @pytest.mark.parametrize(("argv", "needle"), [
     (["--kind", "lora"], "unknown drafter kind 'lora'"),
-    (["--kind", "medusa"], "not yet available"),
+    (["--kind", "medusa", "--noise", "0.2", "--train-head"], "--noise, --train-head: not an option of --kind medusa"),
+    (["--kind", "eagle", "--num-heads", "2"], "--num-heads: not an option of --kind eagle"),
     (["--kind", "model"], "not yet available"),
     (["--data", "pydoc,chat:missing.jsonl"], "missing.jsonl"),
     (["--data", "wikipedia"], "unknown source 'wikipedia'"),
@@ -138,20 +139,22 @@ def test_stdlib_files_skip_tests_and_site_packages() -> None:
     assert any(f.name == "functools.py" for f in files)
 
 
-def test_chat_pairs_render_and_refuse_spec_bench(tmp_path: Path, tiny_llama_dir: Path) -> None:
+def test_chat_pairs_render_and_refuse_held_out_spec_bench(tmp_path: Path, tiny_llama_dir: Path) -> None:
     from transformers import AutoTokenizer
 
     bench = tmp_path / "question.jsonl"
-    bench.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["What is  the capital of France?"]}) + "\n")
-    banned = spec_bench_prompts(bench)
+    bench.write_text(json.dumps({"question_id": 5, "category": "qa", "turns": ["What is  the capital of France?"]}) + "\n"
+                     + json.dumps({"question_id": 6, "category": "qa", "turns": ["Name a prime."]}) + "\n")
+    banned = spec_bench_prompts(bench)  # held out: question_id % 5 == 0 only
+    assert banned == {"what is the capital of france?"}
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"prompt": "Name a prime.", "answer": "7 is prime."}) + "\n\n")
-    assert read_chat_pairs(chat, banned) == [("Name a prime.", "7 is prime.")]
+    assert read_chat_pairs(chat, banned) == [("Name a prime.", "7 is prime.")]  # a train-split prompt is fine
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     text = render_chat(tok, "Name a prime.", "7 is prime.")
     assert text.index("Name a prime.") < text.index("7 is prime.") and "<|im_start|>assistant" in text
     chat.write_text(json.dumps({"prompt": "what is the capital of  france?", "answer": "Paris."}) + "\n")
-    with pytest.raises(CorpusError, match=r"chat.jsonl:1: the prompt is a Spec-Bench prompt"):
+    with pytest.raises(CorpusError, match=r"chat.jsonl:1: the prompt is a held-out Spec-Bench prompt"):
         read_chat_pairs(chat, banned)
     chat.write_text('{"prompt": "x"}\n')
     with pytest.raises(CorpusError, match=r"chat.jsonl:1: expected an object"):
@@ -170,6 +173,13 @@ def test_corpus_is_deterministic_balanced_and_capped(tiny_llama_dir: Path) -> No
     tokens = {k: v["tokens"] for k, v in a.stats.items()}
     assert sum(tokens.values()) == 20_000 and min(tokens.values()) > 5_000  # both sources drawn
     assert build_corpus(sources, tok, 20_000, seed=4).documents != a.documents
+    weighted = build_corpus(parse_sources("stdlib,pydoc*3"), tok, 20_000, seed=3)  # pydoc: 3/4 of the draw
+    assert weighted.num_tokens == 20_000 and 13_000 < weighted.stats["pydoc"]["tokens"] < 17_000
+    for bad in ("pydoc*0", "pydoc*x", "pydoc*-1"):
+        with pytest.raises(CorpusError, match="weight"):
+            parse_sources(bad)
+    with pytest.raises(CorpusError, match="named twice"):
+        parse_sources("pydoc,pydoc*2")
 
 
 def test_draft_vocab_is_most_frequent_first() -> None:
@@ -198,3 +208,52 @@ def test_target_init_starts_as_the_identity(tiny_llama_dir: Path) -> None:
     torch.testing.assert_close(q, model.layers[-1].qkv.w_t.t()[: q.shape[0]])  # reads like the target's last layer
     torch.testing.assert_close(net.lm_head.weight, model.lm_head.w_t[:, vocab].t())
     assert net.draft_vocab.tolist() == vocab.tolist()
+
+
+# -- gen-answers -------------------------------------------------------------------------------------
+def test_read_prompts_keeps_the_train_split_only(tmp_path: Path) -> None:
+    from workers.train.answers import read_prompts
+
+    bench = tmp_path / "question.jsonl"
+    bench.write_text("".join(json.dumps({"question_id": q, "category": "qa", "turns": [f"Question {q}?", "More?"]}) + "\n"
+                             for q in (1, 5, 6, 10)))
+    own = tmp_path / "own.jsonl"
+    own.write_text(json.dumps({"prompt": "Name a prime.", "category": "math"}) + "\n" + json.dumps({"prompt": "Question 6?"}) + "\n")
+    rows, skipped = read_prompts([bench, own], 5, spec_bench=bench)
+    assert [r.prompt for r in rows] == ["Question 1?", "Question 6?", "Name a prime."] and skipped == 2
+    assert rows[0].id == "spec-bench-1" and rows[2].category == "math"
+    assert len(read_prompts([bench, own], 5, limit=1, spec_bench=bench)[0]) == 1
+    own.write_text(json.dumps({"prompt": "question  10?"}) + "\n")
+    with pytest.raises(CorpusError, match=r"own.jsonl:1: the prompt is a held-out Spec-Bench prompt"):
+        read_prompts([own], 5, spec_bench=bench)
+    own.write_text('{"answer": "x"}\n')
+    with pytest.raises(CorpusError, match=r"own.jsonl:1: expected"):
+        read_prompts([own], 5, spec_bench=bench)
+
+
+def test_gen_answers_writes_the_targets_greedy_answers_and_resumes(tiny_llama_dir: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["Name a prime.", "Write a haiku about rain, please.", "Sort [3, 1, 2]."]
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    out = tmp_path / "answers.jsonl"
+    argv = ["gen-answers", "--target", str(tiny_llama_dir), "--prompts", str(prompts), "--out", str(out),
+            "--max-tokens", "5", "--batch", "2"]
+    assert main([*argv, "--limit", "2"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["prompt"] for r in rows) == sorted(texts[:2])
+    assert all(r["answer"] and 1 <= r["num_tokens"] <= 5 for r in rows)
+    assert read_chat_pairs(out)  # the output is a chat source for train-drafter as it is
+    # batched with left padding, each answer is the target's own greedy continuation: as the engine decodes alone
+    from workers.engine import SpecEngine
+
+    engine = SpecEngine.from_config(EngineConfig(target=TargetConfig(model=str(tiny_llama_dir), max_model_len=512)))
+    for r in rows:
+        plain = engine.generate(engine.encode(r["prompt"]), SamplingParams(max_tokens=5))
+        assert engine.tokenizer.decode(plain.token_ids, skip_special_tokens=True).strip() == r["answer"]
+    capsys.readouterr()
+    assert main(argv) == 0  # continued: only the third prompt is answered now
+    assert "2 already in" in capsys.readouterr().out
+    assert sorted(json.loads(line)["prompt"] for line in out.read_text().splitlines()) == sorted(texts)
+    assert main([*argv[:4], str(tmp_path / "none.jsonl"), *argv[5:]]) == 2
+    assert "no file" in capsys.readouterr().err

@@ -98,3 +98,18 @@ def test_each_head_has_labels_only_inside_its_chunk() -> None:
     assert batch.targets[1, 0, :, 0].tolist()[:4] == [2, 3, 4, 5]  # head 1 from f_t reads f_{t+2}
     assert batch.masks[0].tolist() == [[True] * 5, [True] * 3 + [False] * 2]
     assert batch.masks[1].tolist() == [[True] * 4 + [False], [True] * 2 + [False] * 3]
+
+
+def test_the_cli_trains_medusa_heads(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from router.cli import main
+
+    out = tmp_path / "cli"
+    argv = ["train-drafter", "--kind", "medusa", "--target", str(tiny_llama_dir), "--data", "pydoc", "--max-tokens",
+            "2000", "--chunk-len", "128", "--seq-len", "32", "--steps", "2", "--num-heads", "2", "--draft-vocab", "512",
+            "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("ok: medusa drafter at step 2/2, head 0 top-1") and "CARD.md" in printed
+    rec = json.loads((out / "config.json").read_text())["specroute_training"]
+    assert rec["sessions"][0].startswith("specroute train-drafter --kind medusa --target")
+    assert (out / WEIGHT_FILE).is_file() and rec["draft_vocab"]["size"] == 512

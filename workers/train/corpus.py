@@ -1,15 +1,20 @@
-"""The training corpus of a drafter: public text on this machine, disjoint from every benchmark.
+"""The training corpus of a drafter: public text on this machine, disjoint from the held-out benchmark split.
 
 Sources, named in a comma list (`--data stdlib,pydoc,chat:answers.jsonl`):
   * `stdlib`: the Python standard library's own source files (code), tests and site-packages skipped;
   * `pydoc`: `pydoc_data.topics` (the Python documentation's topics: English prose about code);
   * `chat:PATH`: a JSONL of `{"prompt", "answer"}` pairs rendered through the tokenizer's chat
-    template, so the chat format the target serves in is covered too. A prompt that is a
-    Spec-Bench prompt is refused: the benchmark must stay unseen.
+    template, so the chat format the target serves in is covered too. A prompt of Spec-Bench's
+    HELD-OUT split (any turn of a question with question_id % 5 == 0, `policies.classifier.is_heldout`)
+    is refused: the split every drafter and the classifier are measured on must stay unseen. The
+    train split's prompts (e.g. answered by `specroute gen-answers`) are allowed.
+
+A source may carry a weight, `NAME*W` (e.g. `stdlib,pydoc,chat:answers.jsonl*4`; default 1).
 
 The corpus is deterministic: files and topics are listed sorted, then shuffled with the seed, and
-sources are drawn token-balanced (the source with the fewest tokens so far gives the next
-document) until `max_tokens`. Source files are capped at `DOC_TOKEN_CAP` tokens so a few long
+sources are drawn token-balanced by weight (the source with the fewest tokens per unit of weight
+so far gives the next document; a source that runs out leaves the rest to the others) until
+`max_tokens`. Source files are capped at `DOC_TOKEN_CAP` tokens so a few long
 modules cannot dominate; documentation topics and chat exchanges are kept whole. Nothing here imports torch.
 """
 
@@ -25,9 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from policies.classifier import is_heldout
+
 SPEC_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
 DOC_TOKEN_CAP = 4096
 SOURCE_KINDS = ("stdlib", "pydoc", "chat")
+HELDOUT_MOD = 5  # Spec-Bench's held-out split: question_id % 5 == 0 (bench --heldout-mod 5)
 # directories of the standard library that hold tests or third-party code
 _SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 
@@ -40,6 +48,7 @@ class CorpusError(ValueError):
 class Source:
     kind: str  # one of SOURCE_KINDS
     path: Path | None = None  # chat only
+    weight: float = 1.0  # share of the token-balanced draw (`NAME*W`)
 
     @property
     def label(self) -> str:
@@ -47,11 +56,20 @@ class Source:
 
 
 def parse_sources(spec: str) -> list[Source]:
-    """`stdlib,pydoc,chat:PATH` -> sources, checked (a chat file must exist)."""
+    """`stdlib,pydoc,chat:PATH` (each optionally `*W`) -> sources, checked (a chat file must exist)."""
     sources: list[Source] = []
     for item in (s.strip() for s in spec.split(",")):
         if not item:
             continue
+        weight = 1.0
+        if "*" in item:
+            item, _, w = item.rpartition("*")
+            try:
+                weight = float(w)
+            except ValueError:
+                weight = -1.0
+            if not weight > 0 or weight == float("inf"):
+                raise CorpusError(f"--data: the weight of {item!r} must be a positive number, got {w!r}")
         kind, sep, rest = item.partition(":")
         if kind not in SOURCE_KINDS:
             raise CorpusError(f"--data: unknown source {item!r}; sources: stdlib, pydoc, chat:PATH.jsonl")
@@ -61,12 +79,12 @@ def parse_sources(spec: str) -> list[Source]:
             path = Path(rest).expanduser()
             if not path.is_file():
                 raise CorpusError(f"--data: no chat file {path}")
-            source = Source("chat", path)
+            source = Source("chat", path, weight)
         elif sep:
             raise CorpusError(f"--data: source {kind!r} takes no argument (got {item!r})")
         else:
-            source = Source(kind)
-        if source in sources:
+            source = Source(kind, weight=weight)
+        if source.label in {s.label for s in sources}:
             raise CorpusError(f"--data: source {source.label!r} is named twice")
         sources.append(source)
     if not sources:
@@ -89,14 +107,22 @@ def _normalize(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()
 
 
-def spec_bench_prompts(path: Path = SPEC_BENCH) -> frozenset[str]:
-    """Every Spec-Bench turn, normalized; empty when the benchmark is not on this machine."""
+def spec_bench_prompts(path: Path = SPEC_BENCH, heldout_mod: int = HELDOUT_MOD) -> frozenset[str]:
+    """Every turn of Spec-Bench's held-out questions (question_id % heldout_mod == 0), normalized;
+    empty when the benchmark is not on this machine. A question_id that is not an integer cannot
+    be placed in a split, so its turns count as held out too."""
     if not path.is_file():
         return frozenset()
     turns = set()
     for line in path.read_text(encoding="utf-8").splitlines():
         if line.strip():
-            turns.update(_normalize(t) for t in json.loads(line).get("turns", []))
+            q = json.loads(line)
+            try:
+                qid = int(q.get("question_id"))
+            except (TypeError, ValueError):
+                qid = None
+            if qid is None or is_heldout(qid, heldout_mod):
+                turns.update(_normalize(t) for t in q.get("turns", []))
     return frozenset(turns)
 
 
@@ -117,7 +143,8 @@ def read_chat_pairs(path: Path, banned: frozenset[str] = frozenset()) -> list[tu
         if not isinstance(row, dict) or not all(isinstance(row.get(k), str) and row[k] for k in ("prompt", "answer")):
             raise CorpusError(f"{path}:{n}: expected an object with non-empty string fields 'prompt' and 'answer'")
         if _normalize(row["prompt"]) in banned:
-            raise CorpusError(f"{path}:{n}: the prompt is a Spec-Bench prompt; drafters never train on the benchmark")
+            raise CorpusError(f"{path}:{n}: the prompt is a held-out Spec-Bench prompt (question_id % {HELDOUT_MOD} "
+                              "== 0); drafters never train on the split they are measured on")
         pairs.append((row["prompt"], row["answer"]))
     if not pairs:
         raise CorpusError(f"chat file {path} has no pairs")
@@ -170,10 +197,11 @@ def build_corpus(sources: list[Source], tokenizer: Any, max_tokens: int, seed: i
     """Token-balanced draw over the sources until max_tokens (the last document is cut)."""
     streams = {s.label: _texts(s, tokenizer, seed) for s in sources}
     taken = {s.label: 0 for s in sources}
+    weight = {s.label: s.weight for s in sources}
     corpus = Corpus([], {s.label: {"documents": 0, "tokens": 0} for s in sources})
     total = 0
     while streams and max_tokens - total >= 2:  # a document needs a pair: two tokens
-        label = min(streams, key=lambda k: taken[k])  # dicts keep the --data order for ties
+        label = min(streams, key=lambda k: taken[k] / weight[k])  # dicts keep the --data order for ties
         text = next(streams[label], None)
         if text is None:
             del streams[label]
