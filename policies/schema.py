@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -216,16 +217,34 @@ def load_policy(text_or_path: str | Path | Mapping[str, Any]) -> Policy:
         raise PolicyError(where + describe_errors(e)) from None
 
 
-def check_policy_drafters(policy: Policy, configured: set[str]) -> None:
-    """Refuse a policy whose domains allow drafters the engine does not have. Plain decoding
-    (PLAIN) is always available."""
+@dataclass(frozen=True)
+class UsablePolicy:
+    policy: Policy  # the domains' drafter lists cut to the engine's (and their priors)
+    ignored: tuple[str, ...]  # one line per drafter named but not configured, naming the field
+
+
+def check_policy_drafters(policy: Policy, configured: set[str]) -> UsablePolicy:
+    """The policy as an engine with `configured` drafters runs it. A drafter a domain names but
+    the engine lacks is ignored and reported (one policy then serves deployments with different
+    drafters, e.g. the shipped one on an engine without trained drafters); a domain left with
+    nothing it can run is refused. Plain decoding (PLAIN) is always available."""
     available = set(configured) | {PLAIN}
-    problems = [
-        f"domains.{domain}.drafters: {name!r} is not configured in the engine "
-        f"(configured: {', '.join(sorted(available))})"
-        for domain, dp in policy.domains.items()
-        for name in dp.drafters
-        if name not in available
-    ]
+    shown = ", ".join(sorted(available))
+    ignored: list[str] = []
+    problems: list[str] = []
+    domains: dict[str, DomainPolicy] = {}
+    for domain, dp in policy.domains.items():
+        missing = [name for name in dp.drafters if name not in available]
+        ignored += [f"domains.{domain}.drafters: {name!r} is not configured in the engine (configured: {shown})"
+                    for name in missing]
+        kept = [name for name in dp.drafters if name in available]
+        if not kept:
+            problems.append(f"domains.{domain}.drafters: none of {dp.drafters} is configured in the engine "
+                            f"(configured: {shown})")
+            continue
+        priors = {name: p for name, p in dp.priors.items() if name in kept}
+        domains[domain] = dp.model_copy(update={"drafters": kept, "priors": priors}) if missing else dp
     if problems:
         raise PolicyError("; ".join(problems))
+    usable = policy.model_copy(update={"domains": domains}) if ignored else policy
+    return UsablePolicy(usable, tuple(ignored))

@@ -185,14 +185,22 @@ def test_unreadable_file_is_refused(tmp_path: Path) -> None:
 
 def test_check_policy_drafters() -> None:
     policy = load_policy(with_change("domains.code.drafters", ["ngram", "eagle"]))
-    check_policy_drafters(policy, {"ngram", "eagle"})  # all configured: no error
+    usable = check_policy_drafters(policy, {"ngram", "eagle"})  # all configured: as it is
+    assert usable.policy == policy and usable.ignored == ()
+    # a drafter the engine lacks is ignored, named; the domain keeps what the engine has
+    data = with_change("domains.code.drafters", ["ngram", "eagle"])
+    data["domains"]["code"]["priors"] = {"ngram": 0.5, "eagle": 0.8}
+    usable = check_policy_drafters(load_policy(data), {"ngram"})
+    assert usable.policy.domains["code"].drafters == ["ngram"] and usable.policy.domains["code"].priors == {"ngram": 0.5}
+    assert len(usable.ignored) == 1 and usable.ignored[0].startswith("domains.code.drafters: 'eagle'")
+    assert usable.policy.domains["chat"] == policy.domains["chat"]
+    # a domain left with nothing to run is refused, naming it
     with pytest.raises(PolicyError) as info:
-        check_policy_drafters(policy, {"ngram"})
-    assert "domains.code.drafters" in str(info.value) and "'eagle'" in str(info.value)
-    assert "chat" not in str(info.value).split("(")[0]  # only the offending domain is named
+        check_policy_drafters(load_policy(with_change("domains.code.drafters", ["eagle"])), {"ngram"})
+    assert str(info.value).startswith("domains.code.drafters: none of ['eagle']")
     # plain decoding is always available
     plain_only = {"version": "v", "default_domain": "a", "domains": {"a": {"drafters": [PLAIN]}}}
-    check_policy_drafters(load_policy(plain_only), set())
+    assert check_policy_drafters(load_policy(plain_only), set()).ignored == ()
 
 
 def test_cli_policy_check_ok_on_default(capsys: pytest.CaptureFixture[str]) -> None:
@@ -214,9 +222,16 @@ def test_cli_policy_check_refuses_bad_file(tmp_path: Path, capsys: pytest.Captur
 
 
 def test_cli_policy_check_drafters_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["policy", "check", str(DEFAULT_POLICY_PATH), "--drafters", PLAIN]) == 2
+    # an engine without ngram still runs every domain (plain): ok, each ignored drafter named
+    assert main(["policy", "check", str(DEFAULT_POLICY_PATH), "--drafters", PLAIN]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("ok: policy ") and "warning: domains.code.drafters: 'ngram' is not configured" in err
+    # a domain left with nothing the engine runs is an error
+    only_ngram = tmp_path / "p.yaml"
+    only_ngram.write_text(yaml.safe_dump({"version": "v", "default_domain": "a", "domains": {"a": {"drafters": ["ngram"]}}}))
+    assert main(["policy", "check", str(only_ngram), "--drafters", PLAIN]) == 2
     err = capsys.readouterr().err
-    assert "domains.code.drafters: 'ngram' is not configured" in err and "Traceback" not in err
+    assert "domains.a.drafters: none of ['ngram'] is configured" in err and "Traceback" not in err
     assert main(["policy", "check", str(DEFAULT_POLICY_PATH), "--drafters", "ngram,eagle"]) == 0
     assert capsys.readouterr().out.startswith("ok: policy ")
 

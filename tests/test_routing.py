@@ -155,7 +155,7 @@ def test_policy_swap_is_atomic_and_validated(router: Router, tmp_path: Path) -> 
     for bad, needle in [
         ("version: [", "not valid YAML"),
         ({**new, "default_domain": "nope"}, "default_domain"),
-        ({**policy_dict(drafters=["eagle", "none"]), "version": "x"}, "eagle"),
+        ({**policy_dict(drafters=["eagle"]), "version": "x"}, "none of \\['eagle'\\]"),  # nothing it could run
         ({**new, "classifier": {"model": str(tmp_path / "missing")}}, "classifier.model"),
     ]:
         with pytest.raises(PolicyError, match=needle):
@@ -168,6 +168,10 @@ def test_policy_swap_is_atomic_and_validated(router: Router, tmp_path: Path) -> 
     finally:
         started.close()
     assert run(router, TEXTS[1]).routing.policy_version == "test-2"
+    # a drafter the engine lacks is ignored: the domain runs what the engine has
+    portable = {**policy_dict(drafters=["eagle", "ngram", "none"]), "version": "test-3"}
+    assert router.set_policy(load_policy(portable)).version == "test-3"
+    assert router.policy.domains["chat"].drafters == ["ngram", "none"]
 
 
 class Exploding:

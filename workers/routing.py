@@ -134,7 +134,10 @@ class Router:
     # -- policy -------------------------------------------------------------------------------
     def _prepare(self, policy: Policy, classifier: DomainClassifier | None = None) -> tuple[Policy, DomainClassifier]:
         """Check a policy against this engine and load its classifier; raises PolicyError."""
-        check_policy_drafters(policy, set(self.engine.drafters))
+        usable = check_policy_drafters(policy, set(self.engine.drafters))
+        for line in usable.ignored:
+            log.warning("policy %r: %s; ignored", policy.version, line)
+        policy = usable.policy
         if policy.classifier.model and self.allowed_dirs is not None:
             try:
                 confine(policy.classifier.model, self.allowed_dirs, "classifier.model")
