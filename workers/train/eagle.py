@@ -419,7 +419,7 @@ drafters:
   in {corpus.get('extract_s')} s ({tps} tokens/s on {corpus.get('extract_device')})
 - Parameters: {params:,} (fc + decoder layer) + the draft head {vocab['size']} x {cfg.hidden_size} ({vocab['head']})
 
-## Data (never Spec-Bench)
+## Data (never Spec-Bench's held-out split)
 
 | source | documents | tokens |
 |---|---|---|
