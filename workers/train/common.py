@@ -4,14 +4,18 @@ repeats the uninterrupted one exactly)."""
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import math
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
 from workers.models.llama import FastLlama
 from workers.train.corpus import build_corpus, parse_sources
@@ -160,3 +164,70 @@ def target_features(
         raise TrainError(f"{path}: features of size {fs.features.shape[1]}, the target's hidden size is "
                          f"{model.info.hidden_size}; delete the file to extract them again")
     return fs
+
+
+def resumed_record(saved: dict[str, Any], args: dict[str, Any], command: str) -> dict[str, Any]:
+    """A resumed run's record: the saved one with this session's settings and command added."""
+    record = {k: v for k, v in saved.items() if k != "param_groups"}
+    record["args"] = {**args, "resume": False}
+    record["sessions"] = [*record.get("sessions", []), command]
+    return record
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    train: dict[str, float] | None  # the step statistics' means since the last checkpoint (None: no step)
+    train_s: float  # seconds of steps since the last checkpoint (evaluation and writing excluded)
+
+
+def run_steps(
+    opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], *, start: int, stop: int, save_every: int,
+    grad_clip: float, desc: str, lr_at: Callable[[int], float],
+    loss_at: Callable[[int], tuple[torch.Tensor, dict[str, float]]], on_checkpoint: Callable[[Checkpoint], None],
+    final: bool,
+) -> None:
+    """Steps start .. stop - 1 (lr, loss, backward, clipped AdamW update), `on_checkpoint` every
+    `save_every` steps and at `stop`, there also when no step ran if `final` (nothing written yet).
+    A step's statistics: floats, averaged over the steps between checkpoints, except the count "n"."""
+    sums: dict[str, float] = {}
+    num = 0
+    started = time.perf_counter()
+
+    def checkpoint(step: int) -> None:
+        nonlocal sums, num, started
+        means = {k: round(v / num, 6) for k, v in sums.items()} if num else None
+        on_checkpoint(Checkpoint(step, means, time.perf_counter() - started))
+        sums, num = {}, 0
+        started = time.perf_counter()
+
+    with tqdm(total=stop, initial=start, unit="step", desc=desc, disable=None) as bar:
+        for step in range(start, stop):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            loss, stats = loss_at(step)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            opt.step()
+            for k, v in stats.items():
+                if k != "n":
+                    sums[k] = sums.get(k, 0.0) + v
+            num += 1
+            bar.update(1)
+            top1 = next((k for k in stats if k.startswith("top1")), None)
+            bar.set_postfix(loss=f"{stats['loss']:.4f}", **({top1: f"{stats[top1]:.3f}"} if top1 else {}))
+            if (step + 1) % save_every == 0 and step + 1 < stop:
+                checkpoint(step + 1)
+    if start < stop or final:
+        checkpoint(stop)
+
+
+def record_checkpoint(record: dict[str, Any], entry: dict[str, Any], train_s: float, state_dir: Path,
+                      net: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Add a checkpoint's history entry (its "step" first) to the record and save the state."""
+    record["train_s"] = round(record["train_s"] + train_s, 3)
+    record["history"].append(entry)
+    record["step"] = entry["step"]
+    record["updated"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    save_state(state_dir, net, opt, record)

@@ -29,8 +29,6 @@ there too (features.safetensors; delete it when done: a resume then runs the tar
 from __future__ import annotations
 
 import copy
-import datetime as _dt
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,7 +36,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from workers.config import ModelConfig
 from workers.drafters.eagle import EagleConfig, EagleNet
@@ -51,12 +48,15 @@ from workers.train.common import (
     SPEC_BENCH_CATEGORIES,
     STATE_DIR,
     Batcher,
+    Checkpoint,
     TrainError,
     atomic_write_text,
     check_resume,
     cosine_lr,
     load_state,
-    save_state,
+    record_checkpoint,
+    resumed_record,
+    run_steps,
     split_windows,
     target_features,
     train_device,
@@ -307,9 +307,7 @@ def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dic
     record: dict[str, Any]
     if saved is not None:
         load_state(state_dir, net, opt)
-        record = {k: v for k, v in saved.items() if k != "param_groups"}
-        record["args"] = {**asdict(args), "resume": False}
-        record["sessions"] = [*record.get("sessions", []), args.command]
+        record = resumed_record(saved, asdict(args), args.command)
     else:
         record = {
             "format": FORMAT, "step": 0, "args": {**asdict(args), "resume": False}, "sessions": [args.command],
@@ -329,50 +327,27 @@ def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dic
         log(f"the run is at step {start_step} already; --steps {args.steps} leaves nothing to train")
     batcher = Batcher(train_windows, args.batch, args.seed)
     generator = torch.Generator(device=device)
-    params = [p for p in net.parameters() if p.requires_grad]
-    sums, n_sum, session_start = {"loss": 0.0, "reg": 0.0, "cls": 0.0, "top1": 0.0}, 0, time.perf_counter()
 
-    def checkpoint(step: int) -> None:
-        nonlocal sums, n_sum, session_start
-        now = time.perf_counter()
-        record["train_s"] = round(record["train_s"] + now - session_start, 3)
-        session_start = now
-        entry: dict[str, Any] = {"step": step, "lr": lr_at(step - 1, args), "epoch": round(batcher.epoch_of(step), 4)}
-        if n_sum:
-            entry["train"] = {k: round(v / n_sum, 6) for k, v in sums.items()}
+    def loss_at(step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        generator.manual_seed(noise_seed(args.seed, step))
+        return eagle_loss(net, parts, gather(fs, batcher.at(step), device), args.w_cls, args.noise, generator)
+
+    def on_checkpoint(cp: Checkpoint) -> None:
+        entry: dict[str, Any] = {"step": cp.step, "lr": lr_at(cp.step - 1, args),
+                                 "epoch": round(batcher.epoch_of(cp.step), 4)}
+        if cp.train:
+            entry["train"] = cp.train
         entry["eval"] = evaluate(net, parts, fs, held_out, args.batch, args.w_cls, device)
-        record["history"].append(entry)
-        record["step"] = step
-        record["updated"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        save_state(state_dir, net, opt, record)
+        record_checkpoint(record, entry, cp.train_s, state_dir, net, opt)
         write_drafter(out, net, record, args)
         held = entry["eval"]
-        log(f"step {step}/{args.steps}: " + ", ".join(f"{k} {v:.4f}" for k, v in (entry.get("train") or {}).items())
+        log(f"step {cp.step}/{args.steps}: " + ", ".join(f"{k} {v:.4f}" for k, v in (cp.train or {}).items())
             + (f"; held out loss {held['loss']:.4f} top1 {held['top1']:.4f}" if held else ""))
-        sums, n_sum = dict.fromkeys(sums, 0.0), 0
-        session_start = time.perf_counter()  # evaluation and writing are not training time
 
     net.train()
-    with tqdm(total=stop, initial=start_step, unit="step", desc="eagle", disable=None) as bar:
-        for step in range(start_step, stop):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, args)
-            batch = gather(fs, batcher.at(step), device)
-            generator.manual_seed(noise_seed(args.seed, step))
-            loss, stats = eagle_loss(net, parts, batch, args.w_cls, args.noise, generator)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-            opt.step()
-            for k in sums:
-                sums[k] += stats[k]
-            n_sum += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats['loss']:.4f}", top1=f"{stats['top1']:.3f}")
-            if (step + 1) % args.save_every == 0 and step + 1 < stop:
-                checkpoint(step + 1)
-    if start_step < stop or not (out / "config.json").is_file():
-        checkpoint(stop)
+    run_steps(opt, [p for p in net.parameters() if p.requires_grad], start=start_step, stop=stop,
+              save_every=args.save_every, grad_clip=args.grad_clip, desc="eagle", lr_at=lambda step: lr_at(step, args),
+              loss_at=loss_at, on_checkpoint=on_checkpoint, final=not (out / "config.json").is_file())
     return record
 
 

@@ -16,15 +16,12 @@ same target, so the same numbers). Resumable like the EAGLE trainer (workers/tra
 from __future__ import annotations
 
 import copy
-import datetime as _dt
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from workers.config import ModelConfig
 from workers.drafters.medusa import MedusaConfig, MedusaHeads
@@ -36,12 +33,15 @@ from workers.train.common import (
     SPEC_BENCH_CATEGORIES,
     STATE_DIR,
     Batcher,
+    Checkpoint,
     TrainError,
     atomic_write_text,
     check_resume,
     cosine_lr,
     load_state,
-    save_state,
+    record_checkpoint,
+    resumed_record,
+    run_steps,
     split_windows,
     target_features,
     train_device,
@@ -209,9 +209,7 @@ def train_medusa(args: MedusaTrainArgs, log: Callable[[str], None] = print) -> d
 
     if saved is not None:
         load_state(state_dir, heads, opt)
-        record = {k: v for k, v in saved.items() if k != "param_groups"}
-        record["args"] = {**asdict(args), "resume": False}
-        record["sessions"] = [*record.get("sessions", []), args.command]
+        record = resumed_record(saved, asdict(args), args.command)
     else:
         record = {
             "format": FORMAT, "step": 0, "args": {**asdict(args), "resume": False}, "sessions": [args.command],
@@ -226,48 +224,24 @@ def train_medusa(args: MedusaTrainArgs, log: Callable[[str], None] = print) -> d
 
     start_step, stop = record["step"], min(args.steps, args.stop_at or args.steps)
     batcher = Batcher(train_windows, args.batch, args.seed)
-    sums: dict[str, float] = {}
-    n_sum, session_start = 0, time.perf_counter()
 
-    def checkpoint(step: int) -> None:
-        nonlocal sums, n_sum, session_start
-        record["train_s"] = round(record["train_s"] + time.perf_counter() - session_start, 3)
-        entry: dict[str, Any] = {"step": step, "epoch": round(batcher.epoch_of(step), 4)}
-        if n_sum:
-            entry["train"] = {k: round(v / n_sum, 6) for k, v in sums.items()}
+    def on_checkpoint(cp: Checkpoint) -> None:
+        entry: dict[str, Any] = {"step": cp.step, "epoch": round(batcher.epoch_of(cp.step), 4)}
+        if cp.train:
+            entry["train"] = cp.train
         entry["eval"] = evaluate(heads, head_t, fs, held_out, args, device)
-        record["history"].append(entry)
-        record["step"] = step
-        record["updated"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        save_state(state_dir, heads, opt, record)
+        record_checkpoint(record, entry, cp.train_s, state_dir, heads, opt)
         write_heads(out, heads, record, args)
         held = entry["eval"] or {}
-        log(f"step {step}/{args.steps}: held out " + ", ".join(
+        log(f"step {cp.step}/{args.steps}: held out " + ", ".join(
             f"head {i} top1 {held[f'top1_{i}']:.4f}" for i in range(args.num_heads) if f"top1_{i}" in held))
-        sums, n_sum = {}, 0
-        session_start = time.perf_counter()
 
     heads.train()
-    with tqdm(total=stop, initial=start_step, unit="step", desc="medusa", disable=None) as bar:
-        for step in range(start_step, stop):
-            for group in opt.param_groups:
-                group["lr"] = cosine_lr(step, args.lr, args.steps, args.warmup_steps())
-            loss, stats = medusa_loss(heads, head_t, gather_heads(fs, batcher.at(step), args.num_heads, device),
-                                      args.decay)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-            opt.step()
-            for k, v in stats.items():
-                if k != "n":
-                    sums[k] = sums.get(k, 0.0) + v
-            n_sum += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats['loss']:.4f}", top1_0=f"{stats.get('top1_0', 0):.3f}")
-            if (step + 1) % args.save_every == 0 and step + 1 < stop:
-                checkpoint(step + 1)
-    if start_step < stop or not (out / "config.json").is_file():
-        checkpoint(stop)
+    run_steps(opt, params, start=start_step, stop=stop, save_every=args.save_every, grad_clip=args.grad_clip,
+              desc="medusa", lr_at=lambda step: cosine_lr(step, args.lr, args.steps, args.warmup_steps()),
+              loss_at=lambda step: medusa_loss(heads, head_t, gather_heads(fs, batcher.at(step), args.num_heads,
+                                                                              device), args.decay),
+              on_checkpoint=on_checkpoint, final=not (out / "config.json").is_file())
     return record
 
 
