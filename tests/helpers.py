@@ -72,12 +72,13 @@ def _answers(client: redis.Redis) -> bool:
         return False
 
 
-def _wait(predicate: Callable[[], bool], what: str) -> None:
-    for _ in range(400):
-        if predicate():
-            return
-        time.sleep(0.025)
-    raise AssertionError(f"timed out waiting for {what}")
+def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0, every_s: float = 0.025) -> None:
+    """Poll `predicate` until it holds; AssertionError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(every_s)
 
 
 class ThrowawayRedis:
@@ -94,11 +95,11 @@ class ThrowawayRedis:
 
     def start(self) -> None:
         subprocess.run(self.argv, check=True, capture_output=True)
-        _wait(lambda: _answers(self.probe), "redis-server to start")
+        wait_for(lambda: _answers(self.probe), "redis-server to start")
 
     def stop(self, how: str = "nosave") -> None:
         subprocess.run(["redis-cli", "-p", str(self.port), "shutdown", how], capture_output=True)
-        _wait(lambda: not _answers(self.probe), "redis-server to stop")
+        wait_for(lambda: not _answers(self.probe), "redis-server to stop")
 
     def signal(self, sig: signal.Signals) -> None:
         os.kill(int(self.pidfile.read_text()), sig)

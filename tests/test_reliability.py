@@ -19,7 +19,7 @@ import pytest
 import requests
 import schemathesis
 import yaml
-from helpers import ThrowawayRedis, serve_tiny_app, throwaway_redis_server
+from helpers import ThrowawayRedis, serve_tiny_app, throwaway_redis_server, wait_for
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
@@ -268,7 +268,7 @@ def test_memory_is_steady_over_many_requests(base_url: str) -> None:
     _run_mixed_requests(base_url, 30)
     warm = _worker_status()["rss_bytes"]
     _run_mixed_requests(base_url, 120)
-    _wait_for(lambda: _worker_status()["num_active"] == 0, timeout_s=30)  # the last cancel lands between steps
+    wait_for(lambda: _worker_status()["num_active"] == 0, "the last cancel, which lands between steps", 30)
     status = _worker_status()
     assert status["num_pending"] == 0 and status["num_cancelled"] >= 30, status
     assert status["rss_bytes"] - warm < 48 * 2**20, (warm, status["rss_bytes"])
@@ -302,19 +302,19 @@ def test_redis_stopped_mid_load_and_restarted(base_url: str, redis_server: Throw
     thread = threading.Thread(target=load)
     thread.start()
     try:
-        _wait_for(lambda: len(statuses) >= 3)
+        wait_for(lambda: len(statuses) >= 3, "requests before the stop", 120)
         redis_server.stop("save")  # a restart, not a wipe: the data comes back with it
         n_at_stop = len(statuses)
-        _wait_for(lambda: len(statuses) >= n_at_stop + 4)  # served with Redis down
+        wait_for(lambda: len(statuses) >= n_at_stop + 4, "requests served with Redis down", 120)
         redis_server.start()
         n_at_restart = len(statuses)
-        _wait_for(lambda: len(statuses) >= n_at_restart + 3)  # the next flushes carry the backlog
+        wait_for(lambda: len(statuses) >= n_at_restart + 3, "requests after the restart (their flushes carry the backlog)", 120)
     finally:
         stop.set()
         thread.join(timeout=120)
     assert statuses and all(s == 200 for s in statuses), statuses
     _post(base_url, "/v1/chat/completions", CHAT).raise_for_status()  # one more flush after the last
-    _wait_for(lambda: _requests_recorded(base_url) == len(statuses) + 1, timeout_s=30)
+    wait_for(lambda: _requests_recorded(base_url) == len(statuses) + 1, "the counters to reconcile", 30)
     health = _observe(base_url)["store"]
     assert health["connected"] and health["num_errors"] > 0, health  # the outage was seen, and survived
 
@@ -359,10 +359,3 @@ def _requests_recorded(base_url: str) -> int:
     """Requests counted in the shared store's all-time statistics (one decision each)."""
     domains = _observe(base_url)["domains"].values()
     return sum(d["count"] for domain in domains for d in domain["decisions"]["all_time"])
-
-
-def _wait_for(predicate, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
