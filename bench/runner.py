@@ -75,7 +75,8 @@ def run_bench(args: BenchArgs) -> dict:
     hf_model: PreTrainedModel | None = load_target() if set(methods) & set(HF_METHODS) else None
     assistant = None
     if "hf-assisted" in methods and (drafter := assistant_config(args.config)) is not None:
-        assistant = load_hf(drafter.model)[0]
+        # a drafter distilled for the target shares its embeddings (workers/target.py)
+        assistant = load_hf(drafter.model, hf_model.get_input_embeddings().weight.detach())[0]
     router = None
     if policy is not None:  # fresh in-memory statistics: the run starts cold, as a new service would
         costs = measure_costs(engine) if args.routing.calibrate else None

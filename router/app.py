@@ -180,7 +180,7 @@ def build_app(args: dict[str, Any]) -> Application:
             name=f"DrafterWorker-{d.name}", num_replicas=d.deployment.num_replicas,
             max_ongoing_requests=d.deployment.max_ongoing_requests,
             ray_actor_options={"num_cpus": d.deployment.num_cpus, "num_gpus": d.deployment.num_gpus},
-        ).bind(d.model_dump(mode="json"))
+        ).bind(d.model_dump(mode="json"), app_args.engine.target.model_dump(mode="json"))
         for d in app_args.engine.drafters if isinstance(d, ModelDrafterConfig) and d.deployment is not None
     }
     worker = TargetWorker.options(**app_args.worker_options()).bind(

@@ -27,6 +27,19 @@ class CLIError(Exception):
     """A user error: printed as one line, exit status 2, no traceback."""
 
 
+def _comma_list(value: str, flag: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise CLIError(f"{flag} is empty")
+    return items
+
+
+def _existing_file(path: Path, flag: str) -> Path:
+    if not path.is_file():
+        raise CLIError(f"{flag}: no file {path}")
+    return path
+
+
 def load_engine_config(path: Path | None) -> EngineConfig:
     """An engine config from YAML: either the engine block itself or a Serve config whose first
     application carries it under args.engine. No path: every default."""
@@ -54,9 +67,7 @@ def read_yaml(path: Path) -> dict:
 
 
 def routing_config(policy: Path | None) -> RoutingConfig:
-    if policy is not None and not policy.is_file():
-        raise CLIError(f"--policy: no file {policy}")
-    return RoutingConfig(policy=policy)
+    return RoutingConfig(policy=None if policy is None else _existing_file(policy, "--policy"))
 
 
 def describe_validation_error(e: ValidationError) -> str:
@@ -141,11 +152,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from policies.schema import PolicyError
     from workers.target import ModelLoadError
 
-    if not args.prompts.is_file():
-        raise CLIError(f"--prompts: no file {args.prompts}")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not methods:
-        raise CLIError("--methods is empty")
+    _existing_file(args.prompts, "--prompts")
+    methods = _comma_list(args.methods, "--methods")
     bench_args = BenchArgs(
         prompts=args.prompts, per_category=args.per_category, max_tokens=args.max_tokens,
         methods=methods, out=args.out, config=load_engine_config(args.config),
@@ -164,11 +172,8 @@ def cmd_load(args: argparse.Namespace) -> int:
     from bench.load import LoadArgs, run_load, write_load_report
     from bench.prompts import load_prompts
 
-    if not args.prompts.is_file():
-        raise CLIError(f"--prompts: no file {args.prompts}")
-    modes = [m.strip() for m in args.speculation.split(",") if m.strip()]
-    if not modes:
-        raise CLIError("--speculation is empty")
+    _existing_file(args.prompts, "--prompts")
+    modes = _comma_list(args.speculation, "--speculation")
     try:
         prompts = load_prompts(args.prompts, args.per_category, None, args.heldout_mod)
     except ValueError as e:
@@ -186,9 +191,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from router.serve import serve
 
-    if not args.config.is_file():
-        raise CLIError(f"--config: no file {args.config}")
-    serve(args.config, host=args.host, port=args.port, blocking=True)
+    serve(_existing_file(args.config, "--config"), host=args.host, port=args.port, blocking=True)
     return 0
 
 
@@ -198,7 +201,7 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
     if args.drafters is None:
         configured = {d.name for d in EngineConfig().drafters} | {PLAIN}
     else:
-        configured = {d.strip() for d in args.drafters.split(",") if d.strip()}
+        configured = set(_comma_list(args.drafters, "--drafters"))
     try:
         policy = load_policy(args.file)  # its errors name the file
     except PolicyError as e:
@@ -232,23 +235,21 @@ def cmd_train_classifier(args: argparse.Namespace) -> int:
     return 0
 
 
-DRAFTER_KINDS_TRAINABLE = ("eagle", "medusa")
-DRAFTER_KINDS_PLANNED = ("model",)
+DRAFTER_KINDS_TRAINABLE = ("eagle", "medusa", "model")
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    available = ", ".join(DRAFTER_KINDS_TRAINABLE)
-    if args.kind in DRAFTER_KINDS_PLANNED:
-        raise CLIError(f"--kind {args.kind}: training is not yet available (available: {available})")
     if args.kind not in DRAFTER_KINDS_TRAINABLE:
-        raise CLIError(f"--kind: unknown drafter kind {args.kind!r} (available: {available})")
+        raise CLIError(f"--kind: unknown drafter kind {args.kind!r} (available: {', '.join(DRAFTER_KINDS_TRAINABLE)})")
     from workers.target import ModelLoadError
     from workers.train.common import TrainError
     from workers.train.corpus import CorpusError
     from workers.train.eagle import EagleTrainArgs, train_eagle
     from workers.train.medusa import MedusaTrainArgs, train_medusa
+    from workers.train.model import ModelTrainArgs, train_model
 
-    cls, train = {"eagle": (EagleTrainArgs, train_eagle), "medusa": (MedusaTrainArgs, train_medusa)}[args.kind]
+    cls, train = {"eagle": (EagleTrainArgs, train_eagle), "medusa": (MedusaTrainArgs, train_medusa),
+                  "model": (ModelTrainArgs, train_model)}[args.kind]
     fields = {f.name for f in dataclasses.fields(cls)}
     # flags left at their default are not given (None, or False for switches): the kind's own default applies
     given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "kind") and v not in (None, False)}
@@ -267,8 +268,9 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         raise CLIError(f"cannot write {args.out}: {e.strerror}") from None
     last = record["history"][-1] if record["history"] else {}
     before, after = record.get("eval_initial") or {}, last.get("eval") or {}
-    if args.kind == "eagle":
-        scores = (f"held-out loss {before['loss']:.4f} -> {after['loss']:.4f}, top-1 agreement "
+    if args.kind in ("eagle", "model"):
+        what = "loss" if args.kind == "eagle" else "KL"
+        scores = (f"held-out {what} {before['loss']:.4f} -> {after['loss']:.4f}, top-1 agreement "
                   f"{before['top1']:.4f} -> {after['top1']:.4f}" if before and after else "no held-out windows")
     else:
         scores = ", ".join(f"head {i} top-1 {before[f'top1_{i}']:.4f} -> {after[f'top1_{i}']:.4f}"
@@ -287,8 +289,7 @@ def cmd_gen_answers(args: argparse.Namespace) -> int:
     from workers.train.corpus import CorpusError
 
     for path in args.prompts:
-        if not path.is_file():
-            raise CLIError(f"--prompts: no file {path}")
+        _existing_file(path, "--prompts")
     try:
         rows, skipped = read_prompts(args.prompts, args.heldout_mod, args.limit)
         if not rows:
@@ -383,8 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="question_id %% N == 0 is held out: never trained on, scored (default 5)")
     tc.set_defaults(func=cmd_train_classifier)
 
-    td = sub.add_parser("train-drafter", help="train a drafter on the target's features (EAGLE-1 head, Medusa-1 heads)")
-    td.add_argument("--kind", default="eagle", help="eagle or medusa (model: not yet available)")
+    td = sub.add_parser("train-drafter", help="train a drafter on the target's features (EAGLE-1 head, Medusa-1 "
+                                              "heads, a distilled small model)")
+    td.add_argument("--kind", default="eagle", help="eagle, medusa or model")
     td.add_argument("--target", default=DEFAULT_TARGET_MODEL, help="the target model (default: the shipped one)")
     td.add_argument("--data", required=True,
                     help="comma list of sources: stdlib (Python's standard library source), pydoc (Python's "
@@ -392,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "held-out Spec-Bench); NAME*W weights a source's share (default 1)")
     td.add_argument("--out", type=Path, required=True,
                     help="drafter folder: config.json, the weights (safetensors), CARD.md")
-    # defaults None: each kind's own default (workers/train/eagle.py, medusa.py) applies
+    # defaults None: each kind's own default (workers/train/eagle.py, medusa.py, model.py) applies
     td.add_argument("--max-tokens", type=_positive_int, default=None, help="corpus size cap (tokens; default 1M)")
     td.add_argument("--draft-vocab", type=_non_negative_int, default=None,
                     help="rows of the draft head: the most frequent corpus tokens (0: all; default 8192)")
@@ -421,10 +423,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="target: an identity layer reading with the target's last layer's weights; random: torch's")
     medusa = td.add_argument_group("medusa")
     medusa.add_argument("--num-heads", type=_positive_int, default=None, help="heads (default 3)")
-    medusa.add_argument("--num-layers", type=_positive_int, default=None, help="residual blocks per head (default 1)")
     medusa.add_argument("--decay", type=float, default=None, help="head i's loss weight decay^i (Medusa: 0.8)")
+    medusa.add_argument("--num-layers", type=_positive_int, default=None,
+                        help="medusa: residual blocks per head (default 1); model: decoder layers (default 2)")
     medusa.add_argument("--features", default=None,
-                        help="an earlier run's train_state/features.safetensors instead of running the target")
+                        help="medusa, model: an earlier run's train_state/features.safetensors instead of running "
+                             "the target")
+    model = td.add_argument_group("model")
+    model.add_argument("--init-layers", default=None,
+                       help="the target's layers the model starts from, comma list (default: the first "
+                            "--num-layers - 1 and the last)")
     td.set_defaults(func=cmd_train_drafter)
 
     ga = sub.add_parser("gen-answers", help="the target's greedy answers to prompts: chat data for train-drafter")

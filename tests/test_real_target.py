@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.config import ModelConfig, ModelDrafterConfig
+from policies.paths import REPO_ROOT
+from workers.config import EagleDrafterConfig, MedusaDrafterConfig, ModelConfig, ModelDrafterConfig
 from workers.drafters.registry import build_drafter
 from workers.engine import PLAIN, GenerationResult, SpecEngine
 from workers.sampling import SamplingParams
@@ -112,6 +113,30 @@ def test_model_drafter_greedy_identical_to_plain(self_drafting_engine: SpecEngin
     # the target drafting for itself: rejections only at numerical near-ties
     assert got.num_accepted_tokens >= 0.8 * got.num_draft_tokens
     assert got.num_steps < len(got.token_ids)
+
+
+# the trained drafters shipped in models/ (their CARD.md says how they were made)
+SHIPPED = {
+    "distilled": ModelDrafterConfig(name="distilled", model=ModelConfig(model=str(REPO_ROOT / "models" / "distilled"))),
+    "eagle": EagleDrafterConfig(path="models/eagle"),
+    "medusa": MedusaDrafterConfig(path="models/medusa"),
+}
+
+
+@pytest.fixture(scope="module")
+def shipped_engine(real_engine: SpecEngine) -> SpecEngine:
+    drafters = {name: build_drafter(config, real_engine.target) for name, config in SHIPPED.items()}
+    return SpecEngine(real_engine.target, {**real_engine.drafters, **drafters}, real_engine.config)
+
+
+@pytest.mark.parametrize("drafter", sorted(SHIPPED))
+@pytest.mark.parametrize("name", ["coding0", "rag0"])
+def test_shipped_drafters_greedy_identical_to_plain(shipped_engine: SpecEngine, real_engine: SpecEngine,
+                                                    prompt_ids: dict[str, list[int]], name: str, drafter: str) -> None:
+    expected = run(real_engine, prompt_ids, name)
+    got = shipped_engine.generate(prompt_ids[name], SamplingParams(max_tokens=MAX_TOKENS), drafter, 3)
+    assert_identical(real_engine, prompt_ids[name], expected, got)
+    assert got.drafters == [drafter] and got.num_accepted_tokens > 0  # they draft, and some drafts land
 
 
 def test_plain_decoding_stops_at_eos_within_budget(real_engine: SpecEngine, prompt_ids: dict[str, list[int]]) -> None:

@@ -95,7 +95,7 @@ def test_a_replica_of_another_vocabulary_refuses(tiny_config: EngineConfig, tmp_
     from workers.deployment import DrafterWorker
 
     config = next(d for d in tiny_config.drafters if d.name == "other")
-    worker = DrafterWorker.func_or_class(config.model_dump(mode="json"))
+    worker = DrafterWorker.func_or_class(config.model_dump(mode="json"), tiny_config.target.model_dump(mode="json"))
     call = DraftCall("s", [1, 2, 3], 2, SamplingParams(), 64, worker.vocab_size + 1, 0)
     with pytest.raises(ValueError, match=rf"vocabulary size {worker.vocab_size} does not match the target's"):
         worker.draft(call)

@@ -448,18 +448,23 @@ class DrafterWorker:
     """A model drafter served on its own (ModelDrafterConfig.deployment): sessions of a local
     ModelDrafter, one draft call per target step (workers/drafters/remote.py)."""
 
-    def __init__(self, drafter_config: dict[str, Any]) -> None:
+    def __init__(self, drafter_config: dict[str, Any], target_config: dict[str, Any]) -> None:
         import torch
 
-        from workers.config import ModelDrafterConfig
-        from workers.drafters.model import ModelDrafter
+        from workers.config import ModelDrafterConfig, TargetConfig
+        from workers.drafters.registry import build_model_drafter
         from workers.drafters.remote import DraftSessions
-        from workers.target import load_model
+        from workers.target import read_embeddings, resolve_source, shares_embeddings
 
         config = ModelDrafterConfig.model_validate(drafter_config)
         if config.deployment is not None and config.deployment.num_cpus >= 1:
             torch.set_num_threads(int(config.deployment.num_cpus))
-        self.sessions = DraftSessions(ModelDrafter(config, load_model(config.model).model))
+        # a drafter that shares its target's embeddings gets them read from the target's files,
+        # not the whole target; the vocabulary is checked per call (`draft`)
+        embeddings = None
+        if shares_embeddings(resolve_source(config.model)):
+            embeddings = read_embeddings(TargetConfig.model_validate(target_config))
+        self.sessions = DraftSessions(build_model_drafter(config, None, embeddings))
         self.vocab_size = self.sessions.drafter.model.info.vocab_size
 
     def draft(self, call: DraftCall) -> DraftReply:

@@ -2,12 +2,19 @@
 
 A GGUF file is dequantised by transformers once and saved as safetensors + tokenizer under the
 cache directory, keyed by the file's content hash, so later loads take about a second.
+
+A drafter distilled for a target (workers/train/model.py) is an ordinary Llama directory that may
+leave out its embeddings: they are the target's, frozen, so config.json says
+`specroute_shared_embeddings: true`, model.safetensors lacks `model.embed_tokens.weight` (and the
+tied lm_head), and whoever loads it passes the target's embedding matrix. It may also name a
+reduced draft vocabulary (`draft_vocab.safetensors`: the token id of each lm_head row to draft with).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import shutil
 import tempfile
@@ -15,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from safetensors import safe_open
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from workers.config import ModelConfig, default_cache_dir
 from workers.models import hf, llama
@@ -24,6 +33,10 @@ from workers.models.base import CausalLM
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SHARED_EMBEDDINGS_KEY = "specroute_shared_embeddings"  # config.json: the embeddings are the target's
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+EMBEDDING_KEY = "model.embed_tokens.weight"
+_SHARED_KEYS = frozenset({EMBEDDING_KEY, "lm_head.weight"})  # left out of a sharing model's weights
 
 
 class ModelLoadError(RuntimeError):
@@ -36,6 +49,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     source_dir: Path | str  # what transformers loads: a local directory or a hub id
     name: str
+    draft_vocab: torch.Tensor | None = None  # token id of each logits column (None: the whole vocabulary)
 
 
 def _resolve_pkg(spec: str) -> Path:
@@ -120,24 +134,80 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return frozenset(ids)
 
 
-def load_hf(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Path | str]:
-    """The transformers model and tokenizer, as the `hf*` benchmark peers use them too."""
+def shares_embeddings(source: Path | str) -> bool:
+    """Whether a model directory leaves its embeddings to its target (see the module docstring)."""
+    config = Path(source) / "config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get(SHARED_EMBEDDINGS_KEY))
+
+
+def read_embeddings(cfg: ModelConfig) -> torch.Tensor:
+    """A model's input embedding matrix, read alone from its safetensors files: what a drafter
+    replica needs of its target, without loading the target."""
+    source = Path(resolve_source(cfg))
+    for path in sorted(source.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            if EMBEDDING_KEY in f.keys():
+                return f.get_tensor(EMBEDDING_KEY)
+    raise ModelLoadError(f"model {cfg.model!r}: no {EMBEDDING_KEY} in {source}/*.safetensors")
+
+
+def read_draft_vocab(source: Path | str) -> torch.Tensor | None:
+    path = Path(source) / DRAFT_VOCAB_FILE
+    return load_file(str(path))["draft_vocab"].long() if path.is_file() else None
+
+
+def _load_sharing(cfg: ModelConfig, source: Path, dtype: torch.dtype, embeddings: torch.Tensor) -> PreTrainedModel:
+    """A model whose weights lack the embeddings, completed with `embeddings` (shared, frozen)."""
+    hf_config = AutoConfig.from_pretrained(source)
+    want = (hf_config.vocab_size, hf_config.hidden_size)
+    if tuple(embeddings.shape) != want:
+        raise ModelLoadError(f"model {cfg.model!r}: vocabulary size {want[0]} and hidden size {want[1]} do not "
+                             f"match the target's embeddings, vocabulary size {embeddings.shape[0]} and hidden size "
+                             f"{embeddings.shape[1]}")
+    weights = source / "model.safetensors"
+    if not weights.is_file():
+        raise ModelLoadError(f"model {cfg.model!r}: no weights at {weights}")
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+    missing, unexpected = model.load_state_dict(load_file(str(weights)), strict=False)
+    lacking = set(missing) - _SHARED_KEYS
+    if unexpected or lacking:
+        raise ModelLoadError(f"{weights}: missing {sorted(lacking)}, "
+                             f"unexpected {sorted(unexpected)}")
+    shared = torch.nn.Parameter(embeddings.to(dtype), requires_grad=False)  # no copy when the dtype matches
+    model.get_input_embeddings().weight = shared
+    model.get_output_embeddings().weight = shared
+    return model
+
+
+def load_hf(
+    cfg: ModelConfig, embeddings: torch.Tensor | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Path | str]:
+    """The transformers model and tokenizer, as the `hf*` benchmark peers use them too.
+    `embeddings`: the target's, for a drafter that shares them (ignored by any other model)."""
     source = resolve_source(cfg)
     device, dtype = resolve_device_dtype(cfg)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+        if shares_embeddings(source):
+            if embeddings is None:
+                raise ModelLoadError(f"model {cfg.model!r} shares its target's embeddings ({SHARED_EMBEDDINGS_KEY} "
+                                     "in its config.json): load it as a drafter of that target")
+            model = _load_sharing(cfg, Path(source), dtype, embeddings)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
         tokenizer = AutoTokenizer.from_pretrained(source)
     except OSError as e:  # offline and not cached, or not a model
         raise ModelLoadError(f"model {cfg.model!r}: {e}") from None
     return model.to(device).eval(), tokenizer, source
 
 
-def load_model(cfg: ModelConfig) -> LoadedModel:
-    hf_model, tokenizer, source = load_hf(cfg)
+def load_model(cfg: ModelConfig, embeddings: torch.Tensor | None = None) -> LoadedModel:
+    """`embeddings`: as for load_hf. A draft vocabulary in the directory applies on the fast backend."""
+    hf_model, tokenizer, source = load_hf(cfg, embeddings)
     eos = eos_token_ids(hf_model, tokenizer)
     use_fast = cfg.backend == "fast" or (cfg.backend == "auto" and llama.supports(hf_model.config))
     if use_fast and not llama.supports(hf_model.config):
         raise ModelLoadError(f"model {cfg.model!r}: backend 'fast' does not support this architecture")
-    model: CausalLM = llama.FastLlama(hf_model, eos) if use_fast else hf.HFCausalLM(hf_model, eos)
+    vocab = read_draft_vocab(source) if isinstance(source, Path) and use_fast else None
+    model: CausalLM = llama.FastLlama(hf_model, eos, vocab) if use_fast else hf.HFCausalLM(hf_model, eos)
     name = Path(cfg.model).stem if cfg.model.startswith("pkg:") else str(cfg.model)
-    return LoadedModel(model=model, tokenizer=tokenizer, source_dir=source, name=name)
+    return LoadedModel(model=model, tokenizer=tokenizer, source_dir=source, name=name, draft_vocab=vocab)

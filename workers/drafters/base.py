@@ -34,6 +34,17 @@ class DraftContext:
     features: torch.Tensor | None = None
 
 
+def full_vocab_probs(q: torch.Tensor, vocab_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """[n, draft vocab] draft probabilities over the target's vocabulary (zero outside the draft
+    vocabulary, whose token ids `vocab_ids` lists; None: q is over the whole vocabulary already):
+    rejection sampling needs q on the same support as the target's p."""
+    if vocab_ids is None:
+        return q
+    full = torch.zeros(q.shape[0], vocab_size, dtype=q.dtype, device=q.device)
+    full[:, vocab_ids] = q
+    return full
+
+
 class Drafter(Protocol):
     name: str
     needs_hidden_states: ClassVar[bool]

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from workers.drafters.base import Draft, DraftContext
+from workers.drafters.base import Draft, DraftContext, full_vocab_probs
 from workers.sampling import probs_from_logits
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.safetensors")
@@ -253,21 +253,12 @@ class EagleDrafter:
             else:
                 p = probs_from_logits(logits, ctx.params)
                 row = int(torch.multinomial(p[0], 1, generator=ctx.generator))
-                probs.append(self._full_vocab(p))
+                probs.append(full_vocab_probs(p, self.vocab_ids, self.vocab_size))
             token = int(self.vocab_ids[row]) if self.vocab_ids is not None else row
             drafted.append(token)
             if i < k - 1:  # feed (predicted feature, drafted token): predicts the next feature
                 feature = self._run(state, torch.tensor([token], device=self.embed.device), feature[None])
         return Draft(torch.tensor(drafted, dtype=torch.long), torch.cat(probs) if probs else None)
-
-    def _full_vocab(self, p: torch.Tensor) -> torch.Tensor:
-        """Draft probabilities over the target's vocabulary (zero outside the draft vocabulary):
-        rejection sampling needs q on the same support as the target's p."""
-        if self.vocab_ids is None:
-            return p
-        full = torch.zeros(1, self.vocab_size, dtype=p.dtype, device=p.device)
-        full[0, self.vocab_ids] = p[0]
-        return full
 
     def commit(self, state: EagleState, ctx: DraftContext, num_new: int, num_accepted: int) -> None:
         # drafted pairs carried predicted features: drop them all; true ones are fed next time

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from workers.drafters.base import Draft, DraftContext
+from workers.drafters.base import Draft, DraftContext, full_vocab_probs
 from workers.drafters.eagle import CheckpointError
 from workers.sampling import probs_from_logits
 
@@ -161,16 +161,9 @@ class MedusaDrafter:
         else:
             q = probs_from_logits(logits, ctx.params)
             rows = torch.multinomial(q, 1, generator=ctx.generator)[:, 0]
-            probs = self._full_vocab(q)
+            probs = full_vocab_probs(q, self.vocab_ids, self.vocab_size)
         token_ids = self.vocab_ids[rows] if self.vocab_ids is not None else rows
         return Draft(token_ids.to(torch.long), probs)
-
-    def _full_vocab(self, q: torch.Tensor) -> torch.Tensor:
-        if self.vocab_ids is None:
-            return q
-        full = torch.zeros(q.shape[0], self.vocab_size, dtype=q.dtype, device=q.device)
-        full[:, self.vocab_ids] = q
-        return full
 
     def commit(self, state: None, ctx: DraftContext, num_new: int, num_accepted: int) -> None:
         pass

@@ -1,4 +1,9 @@
-"""An independent small causal LM as drafter (SpS), with its own KV cache and rollback."""
+"""An independent small causal LM as drafter (SpS), with its own KV cache and rollback.
+
+The model may compute logits over a reduced draft vocabulary only (`vocab_ids`: the token id of
+each logits column, e.g. a distilled drafter's most frequent tokens): a draft token then costs a
+fraction of the full lm_head, and its probabilities are spread back over the whole vocabulary
+(zero elsewhere) for rejection sampling, which stays exact."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from workers.config import ModelDrafterConfig
-from workers.drafters.base import Draft, DraftContext
+from workers.drafters.base import Draft, DraftContext, full_vocab_probs
 from workers.models.base import CausalLM, KVCache
 from workers.sampling import probs_from_logits
 
@@ -24,10 +29,11 @@ class ModelDrafter:
     needs_hidden_states: ClassVar[bool] = False
     cheap: ClassVar[bool] = False
 
-    def __init__(self, config: ModelDrafterConfig, model: CausalLM) -> None:
+    def __init__(self, config: ModelDrafterConfig, model: CausalLM, vocab_ids: torch.Tensor | None = None) -> None:
         self.config = config
         self.name = config.name
         self.model = model
+        self.vocab_ids = None if vocab_ids is None else vocab_ids.to(model.device)
 
     def begin(self, ctx: DraftContext) -> ModelDraftState:
         # drafts stay inside the request's token budget, so its length bounds the cache too
@@ -42,11 +48,12 @@ class ModelDrafter:
         probs: list[torch.Tensor] = []
         for i in range(k):
             if ctx.params.greedy:
-                token = logits[-1].argmax().view(1)
+                row = logits[-1].argmax().view(1)
             else:
-                p = probs_from_logits(logits[-1:], ctx.params)  # [1, vocab]
-                token = torch.multinomial(p[0], 1, generator=ctx.generator)
-                probs.append(p)
+                p = probs_from_logits(logits[-1:], ctx.params)  # [1, vocab']
+                row = torch.multinomial(p[0], 1, generator=ctx.generator)
+                probs.append(full_vocab_probs(p, self.vocab_ids, self.model.info.vocab_size))
+            token = row if self.vocab_ids is None else self.vocab_ids[row]
             token_ids.append(token)
             if i < k - 1:  # the last draft token is never fed: nothing would read its logits
                 logits = self.model.forward(token, state.cache).logits

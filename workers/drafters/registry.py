@@ -19,20 +19,37 @@ from workers.drafters.medusa import MedusaDrafter, MedusaHeads
 from workers.drafters.model import ModelDrafter
 from workers.drafters.ngram import NgramDrafter
 from workers.drafters.remote import DraftService, RemoteDrafter
+from workers.models.base import CausalLM
+from workers.models.hf import HFCausalLM
 from workers.models.llama import FastLlama
 from workers.target import LoadedModel, ModelLoadError, load_model
 
 DRAFTER_KINDS = ("ngram", "model", "eagle", "medusa")
 
 
-def _build_model_drafter(config: ModelDrafterConfig, target: LoadedModel) -> ModelDrafter:
-    loaded = load_model(config.model)
-    if loaded.model.info.vocab_size != target.model.info.vocab_size:
+def input_embeddings(model: CausalLM) -> torch.Tensor:
+    """A model's input embedding matrix [vocab, hidden] (what a distilled drafter shares)."""
+    if isinstance(model, FastLlama):
+        return model.embed
+    assert isinstance(model, HFCausalLM)
+    return model.model.get_input_embeddings().weight.detach()
+
+
+def build_model_drafter(
+    config: ModelDrafterConfig, vocab_size: int | None, embeddings: torch.Tensor | None,
+) -> ModelDrafter:
+    """`vocab_size`: the target's (None: not checked here); `embeddings`: the target's, for a
+    drafter that shares them (workers/target.py)."""
+    try:
+        loaded = load_model(config.model, embeddings)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"drafter {config.name!r}: {e}") from None
+    if vocab_size is not None and loaded.model.info.vocab_size != vocab_size:
         raise ModelLoadError(
             f"drafter {config.name!r}: vocabulary size {loaded.model.info.vocab_size} does not "
-            f"match the target's {target.model.info.vocab_size}"
+            f"match the target's {vocab_size}"
         )
-    return ModelDrafter(config, loaded.model)
+    return ModelDrafter(config, loaded.model, loaded.draft_vocab)
 
 
 def _build_eagle_drafter(config: EagleDrafterConfig, target: LoadedModel) -> EagleDrafter:
@@ -66,7 +83,7 @@ def build_drafter(config: DrafterConfig, target: LoadedModel, service: DraftServ
     if isinstance(config, ModelDrafterConfig):
         if service is not None:
             return RemoteDrafter(config, service, target.model.info.vocab_size)
-        return _build_model_drafter(config, target)
+        return build_model_drafter(config, target.model.info.vocab_size, input_embeddings(target.model))
     if isinstance(config, EagleDrafterConfig):
         return _build_eagle_drafter(config, target)
     if isinstance(config, MedusaDrafterConfig):

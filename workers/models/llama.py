@@ -148,7 +148,11 @@ class Linear:
 
 
 class FastLlama:
-    def __init__(self, hf_model: PreTrainedModel, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, hf_model: PreTrainedModel, eos_token_ids: frozenset[int], head_rows: torch.Tensor | None = None,
+    ) -> None:
+        """`head_rows`: token ids the lm_head computes logits for, in that order (a drafter's
+        reduced vocabulary: logits column i is token head_rows[i]); None: the whole vocabulary."""
         cfg = hf_model.config
         if not supports(cfg):
             raise ValueError(f"FastLlama does not support {cfg.model_type} with this config")
@@ -172,7 +176,8 @@ class FastLlama:
         ]
         self.embed = sd["model.embed_tokens.weight"]  # [vocab, hidden]
         self.final_norm = sd["model.norm.weight"]
-        self.lm_head = Linear(sd.get("lm_head.weight", self.embed))
+        head = sd.get("lm_head.weight", self.embed)
+        self.lm_head = Linear(head if head_rows is None else head[head_rows.to(head.device)])
         self.info = ModelInfo(
             vocab_size=self.embed.shape[0],
             hidden_size=cfg.hidden_size,
