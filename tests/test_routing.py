@@ -242,6 +242,10 @@ def test_measure_costs(tiny_engine: SpecEngine) -> None:
     assert len(costs.verify_s) == tiny_engine.config.max_draft_len + 1
     assert all(t > 0 for t in costs.verify_s)
     assert costs.plain_s == costs.verify_s[0]
+    # the model drafters are priced from the start; n-gram lookup finds nothing to propose in the
+    # probe's prompt, so it stays unpriced (0) until live steps measure it
+    assert {"self", "other"} <= set(costs.draft_s_per_token) and "ngram" not in costs.draft_s_per_token
+    assert all(t > 0 for t in costs.draft_s_per_token.values())
 
 
 def test_decisions_are_reproducible(tiny_engine: SpecEngine) -> None:

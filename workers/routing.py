@@ -82,9 +82,10 @@ class RoutedResult:
 
 
 def measure_costs(engine: SpecEngine, context_len: int = 64, repeats: int = 3) -> CostTable:
-    """The verify-cost curve of this deployment: the best of `repeats` target forwards over
-    1 + k tokens after a `context_len`-token prefix, k = 0..max_draft_len. The policy's cost
-    prior until live statistics measure the real traffic."""
+    """The step costs of this deployment: the verify curve, the best of `repeats` target forwards
+    over 1 + k tokens after a `context_len`-token prefix, k = 0..max_draft_len; and each drafter's
+    seconds per draft token (`measure_draft_costs`). The policy's cost prior until live
+    statistics measure the real traffic."""
     model = engine.target.model
     max_k = engine.config.max_draft_len
     context_len = max(1, min(context_len, engine.max_model_len - max_k - 1))
@@ -100,7 +101,25 @@ def measure_costs(engine: SpecEngine, context_len: int = 64, repeats: int = 3) -
             elapsed = time.perf_counter() - t0
             cache.truncate(context_len)
             best[k] = min(best[k], elapsed)
-    return CostTable(tuple(best))
+    return CostTable(tuple(best), measure_draft_costs(engine, ids[:context_len].tolist(), repeats))
+
+
+def measure_draft_costs(engine: SpecEngine, prompt: list[int], repeats: int, k: int = 4) -> dict[str, float]:
+    """Each drafter's best seconds per draft token over `repeats` real steps drafting k tokens on
+    `prompt`, after one that warms it up (and feeds it the prompt). A drafter that proposes
+    nothing here (n-gram lookup on a prompt without repeats) or fails is left out: its cost stays
+    0 until live steps measure it."""
+    out: dict[str, float] = {}
+    for name in engine.drafters:
+        gen = engine.start(prompt, SamplingParams(max_tokens=(repeats + 1) * (k + 1), ignore_eos=True))
+        try:
+            steps = [gen.step(name, k) for _ in range(repeats + 1)][1:]
+        finally:
+            gen.close()
+        costs = [s.draft_s / s.num_draft_tokens for s in steps if s.drafter == name and s.num_draft_tokens]
+        if costs:
+            out[name] = min(costs)
+    return out
 
 
 class Router:
