@@ -76,3 +76,16 @@ def test_a_policy_pointing_the_classifier_outside_is_refused_and_the_old_stays(
     with pytest.raises(PolicyError, match=r"^classifier\.model: .*outside the allowed"):
         router.set_policy(load_policy(bad))
     assert router.policy.version == "test-1"
+
+
+def test_a_relative_model_directory_resolves_against_the_repository(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ray replica's working directory is not the caller's: `models/...` in a config still
+    names the repository's directory there, and a hub id stays a hub id."""
+    from workers.config import ModelConfig
+
+    monkeypatch.chdir(tmp_path)
+    assert ModelConfig(model="models/classifier").local_path() == REPO_ROOT / "models" / "classifier"
+    assert ModelConfig(model="HuggingFaceTB/SmolLM2-135M-Instruct").local_path() is None
+    (tmp_path / "models" / "classifier").mkdir(parents=True)  # the working directory's copy wins
+    assert ModelConfig(model="models/classifier").local_path() == Path("models/classifier")

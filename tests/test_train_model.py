@@ -123,9 +123,12 @@ def test_a_directory_for_another_target_is_refused_with_both_sizes(trained: Path
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"hidden size 128 do not match the target's embeddings, .*hidden size 64"):
         engine_with(tiny_llama_dir, other)
-    (other / WEIGHTS_FILE).unlink()
     config["hidden_size"] //= 2
     (other / "config.json").write_text(json.dumps(config))
+    save_file({"draft_vocab": torch.tensor([5, config["vocab_size"]])}, str(other / DRAFT_VOCAB_FILE))
+    with pytest.raises(ModelLoadError, match=f"token ids must be in 0..{config['vocab_size'] - 1}"):
+        engine_with(tiny_llama_dir, other)
+    (other / WEIGHTS_FILE).unlink()
     with pytest.raises(ModelLoadError, match=f"no weights at {other / WEIGHTS_FILE}"):
         engine_with(tiny_llama_dir, other)
 

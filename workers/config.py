@@ -61,8 +61,12 @@ class ModelConfig(_Strict):
         if self.model.startswith("pkg:"):
             return None
         path = Path(self.model).expanduser()
-        local = path.suffix == ".gguf" or path.exists() or self.model.startswith((".", "/", "~"))
-        return path if local else None
+        if path.suffix == ".gguf" or path.exists() or self.model.startswith((".", "/", "~")):
+            return path
+        # relative to the repository, as checkpoint paths (a Ray replica's working directory is
+        # not the caller's); anything else is a hub id
+        shipped = resolve_repo_path(path)
+        return shipped if shipped.exists() else None
 
 
 class TargetConfig(ModelConfig):

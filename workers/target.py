@@ -104,7 +104,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
 def resolve_source(cfg: ModelConfig) -> Path | str:
     """A local model directory, or a hub id for transformers to find in its own cache."""
     spec = cfg.model
-    path = _resolve_pkg(spec) if spec.startswith("pkg:") else Path(spec).expanduser()
+    path = _resolve_pkg(spec) if spec.startswith("pkg:") else (cfg.local_path() or Path(spec).expanduser())
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"model {spec!r}: no file {path}")
@@ -208,6 +208,10 @@ def load_model(cfg: ModelConfig, embeddings: torch.Tensor | None = None) -> Load
     if use_fast and not llama.supports(hf_model.config):
         raise ModelLoadError(f"model {cfg.model!r}: backend 'fast' does not support this architecture")
     vocab = read_draft_vocab(source) if isinstance(source, Path) and use_fast else None
+    size = hf_model.get_input_embeddings().weight.shape[0]
+    if vocab is not None and (vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= size):
+        raise ModelLoadError(f"{Path(source) / DRAFT_VOCAB_FILE}: token ids must be in 0..{size - 1} "
+                             f"(the vocabulary size is {size}), and there must be at least one")
     model: CausalLM = llama.FastLlama(hf_model, eos, vocab) if use_fast else hf.HFCausalLM(hf_model, eos)
     name = Path(cfg.model).stem if cfg.model.startswith("pkg:") else str(cfg.model)
     return LoadedModel(model=model, tokenizer=tokenizer, source_dir=source, name=name, draft_vocab=vocab)
