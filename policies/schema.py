@@ -61,6 +61,12 @@ class DomainPolicy(_Strict):
         0.05, ge=0,
         description="leave plain decoding only when predicted speedup > fallback_threshold + hysteresis",
     )
+    cheap_first: bool = Field(
+        False,
+        description="each step, try a cheap drafter (prompt lookup) before the chosen drafter or plain decoding: "
+                    "its proposal takes the step when it has one and the cheap drafter's acceptance, given that "
+                    "it proposes, predicts a better step than the choice",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DomainPolicy:

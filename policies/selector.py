@@ -253,6 +253,10 @@ class StepChoice:
     draft_len: int
     reason: str  # the plan's reason on the first step; then BEST, SWITCH, FALLBACK, RECOVER, PROBE
     predicted_speedup: float
+    # a cheap drafter the engine tries first (DomainPolicy.cheap_first): its draft of first_len
+    # tokens takes the step when it proposes any; None: none
+    first_drafter: str | None = None
+    first_len: int = 0
 
 
 @dataclass
@@ -334,6 +338,8 @@ class StepController:
 
     def next(self) -> StepChoice:
         choice = self._next()
+        if self.adaptive and self.dp.cheap_first:
+            choice = self._with_cheap_first(choice)
         self.current = choice
         self.trajectory.append((choice.drafter, choice.draft_len))
         return choice
@@ -364,6 +370,36 @@ class StepController:
                 return StepChoice(blind[0].drafter, self.dp.k_min, PROBE, blind[0].predicted_speedup)
         return StepChoice(PLAIN, 0, FALLBACK if self.fallbacks else self.plan.reason, 1.0)
 
+    def _with_cheap_first(self, choice: StepChoice) -> StepChoice:
+        """Prompt lookup proposes on some steps only, and well on those: the cheap drafter whose
+        acceptance given a proposal (its estimate over its propose rate) predicts the best step
+        is tried first when that beats what runs otherwise. What runs otherwise: the choice, or
+        for a cheap choice the best other drafter that beats the fallback threshold (else plain)."""
+        best: tuple[str, BestDraftLen] | None = None
+        for name in sorted(self.cheap):
+            if name not in self._prior or name in self._disabled:
+                continue
+            est = self.estimate(name)
+            if est.proposes <= 0:
+                continue
+            given = tuple(min(1.0, p / est.proposes) for p in est.prefix)
+            arm = best_draft_len(given, self.costs.for_drafter(name), self.dp.k_min, self.dp.k_max, self.load)
+            if arm.draft_len and (best is None or arm.speedup > best[1].speedup):
+                best = (name, arm)
+        if best is None:
+            return choice
+        otherwise = choice
+        if choice.drafter in self.cheap:
+            others = [a for a in self.ranked() if a.drafter not in self.cheap and a.draft_len > 0
+                      and a.predicted_speedup >= self.dp.fallback_threshold]
+            otherwise = (StepChoice(others[0].drafter, others[0].draft_len, choice.reason, others[0].predicted_speedup)
+                         if others else StepChoice(PLAIN, 0, choice.reason, 1.0))
+        bar = (otherwise.predicted_speedup if otherwise.drafter != PLAIN
+               else self.dp.fallback_threshold + self.dp.hysteresis)
+        if best[1].speedup <= bar:
+            return choice
+        return replace(otherwise, first_drafter=best[0], first_len=best[1].draft_len)
+
     def _to_plain(self, reason: str | None) -> StepChoice:
         self.plain = True
         self._plain_steps = 0
@@ -375,6 +411,8 @@ class StepController:
         """A real step's outcome. A step that used another drafter than chosen (the engine
         dropped a failing drafter) disables the chosen one for the rest of the request."""
         chosen = self.current.drafter
+        if drafter == self.current.first_drafter:  # the cheap drafter proposed and took the step
+            chosen = drafter
         if chosen != PLAIN and drafter != chosen and chosen not in self._disabled:
             self._disabled.add(chosen)
             self.fallbacks.append(DRAFTER_ERROR)

@@ -529,6 +529,35 @@ def test_switching_drafter_and_k_mid_request_stays_lossless(engine: SpecEngine, 
         assert {"self", "other", "perturbed"} <= set(used)  # each was used, most of them repeatedly
 
 
+def test_a_cheap_drafter_tried_first_takes_only_the_steps_it_proposes_on(
+    engine: SpecEngine, prompts: list[list[int]],
+) -> None:
+    """`first`: prompt lookup runs the steps where it finds a match, the named drafter the rest;
+    greedy output stays plain decoding's, and a silent lookup is still scored as a shadow."""
+    repeat = prompts[-1]  # ends with "one two": lookup proposes at once
+    gen = engine.start(repeat, greedy(8))
+    stats = gen.step("perturbed", 3, shadow=("ngram",), first="ngram", first_len=2)
+    assert stats.drafter == "ngram" and stats.draft_len == 2 and 1 <= stats.num_draft_tokens <= 2
+    gen.close()
+    novel = engine.encode("Zebra quantum", chat=False)  # nothing to look up
+    gen = engine.start(novel, greedy(8))
+    stats = gen.step("perturbed", 3, shadow=("ngram",), first="ngram", first_len=2)
+    assert stats.drafter == "perturbed" and stats.num_draft_tokens == 3
+    assert [(s.drafter, s.num_proposed) for s in stats.shadows] == [("ngram", 0)]  # the silent step counts
+    gen.close()
+    for prompt in prompts:
+        gen = engine.start(prompt, greedy(60))
+        while not gen.finished:
+            gen.step("perturbed", 3, shadow=("ngram",), first="ngram", first_len=4)
+        result = gen.result()
+        gen.close()
+        assert_same_output(result, plain(engine, prompt, greedy(60)))
+        check_step_accounting(result, prompt)
+        assert set(result.drafters) <= {"ngram", "perturbed"} and "perturbed" in result.drafters
+        if prompt is repeat:
+            assert "ngram" in result.drafters
+
+
 def test_sampled_switching_is_reproducible(engine: SpecEngine, prompts: list[list[int]]) -> None:
     params = SamplingParams(max_tokens=40, temperature=0.9, top_k=50, seed=7)
     a, _ = run_schedule(engine, prompts[0], params)

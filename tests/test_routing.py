@@ -92,6 +92,24 @@ def test_report_and_records(router: Router) -> None:
     assert shadow.num_steps + snap.counts("summarization", "ngram").num_steps >= result.num_steps - 1
 
 
+def test_cheap_first_lets_prompt_lookup_take_the_steps_it_matches(tiny_engine: SpecEngine) -> None:
+    """With cheap_first, a request planned on a model drafter hands the steps where prompt lookup
+    matches to it: both run within one request, the output stays plain decoding's, and the
+    schedule and the records name the drafter of each step."""
+    policy = policy_dict(drafters=["other", "ngram", "none"], cheap_first=True)
+    policy["domains"]["chat"]["priors"] = {"other": 0.6, "ngram": 0.9}
+    router = Router(tiny_engine, load_policy(policy), MemoryStats(), seed=0)
+    text = "Count: one two three four five six seven eight nine ten one two"
+    routed = generate(router, tiny_engine.encode(text, chat=False), greedy(48), text, Speculation())
+    assert routed.generation.token_ids == tiny_engine.generate(tiny_engine.encode(text, chat=False), greedy(48)).token_ids
+    ran = {s.drafter for s in routed.generation.steps}
+    assert {"ngram", "other"} <= ran, ran
+    assert sum(s.num_steps for s in routed.routing.schedule) == routed.generation.num_steps
+    assert {s.drafter for s in routed.routing.schedule} == ran
+    counts = router.store.snapshot()
+    assert counts.counts("chat", "ngram").num_steps == sum(s.drafter == "ngram" for s in routed.generation.steps)
+
+
 def test_router_learns_acceptance_and_plans_the_best_predicted_arm(router: Router) -> None:
     """`self` (the target itself) accepts every token, `other` little: a few requests teach the
     estimates that, and the plan is the arm with the best predicted speedup unless exploring.

@@ -39,6 +39,7 @@ from policies.selector import (
     CostTable,
     Features,
     Plan,
+    StepChoice,
     StepController,
     cost_table,
     decide,
@@ -64,11 +65,12 @@ def make_policy(
     drafters: Sequence[str] = ("a", "b", "c", PLAIN), *, priors: Mapping[str, float] | None = None,
     method: str = "ucb", ucb_c: float = 1.0, min_samples: int = 20, k_min: int = 1, k_max: int = 8,
     threshold: float = 1.0, hysteresis: float = 0.05, probe_every: int = 32, min_draft_tokens: int = 64,
+    cheap_first: bool = False,
 ) -> Policy:
     return load_policy({
         "version": "test", "default_domain": DOMAIN,
         "domains": {DOMAIN: {"drafters": list(drafters), "k_min": k_min, "k_max": k_max, "priors": dict(priors or {}),
-                             "fallback_threshold": threshold, "hysteresis": hysteresis}},
+                             "fallback_threshold": threshold, "hysteresis": hysteresis, "cheap_first": cheap_first}},
         "exploration": {"method": method, "ucb_c": ucb_c, "min_samples": min_samples, "probe_every_steps": probe_every},
         "window": {"min_draft_tokens": min_draft_tokens},
     })
@@ -782,3 +784,34 @@ def test_a_drafter_that_slows_the_replica_is_turned_down_under_load_and_comes_ba
     assert ctl.next().drafter == PLAIN and ctl.fallbacks == [LOW_SPEEDUP]
     ctl.load = ALONE
     assert ctl.next().drafter == "a"  # recovers: its own speedup clears threshold + hysteresis
+
+
+# -- cheap first ---------------------------------------------------------------------------------
+
+def test_cheap_first_offers_prompt_lookup_where_it_proposes_well() -> None:
+    """c (cheap) proposes on 1 step in 4 and then accepts everything: it is tried first, and on
+    the steps it stays silent a (a model drafter at 0.5) runs instead of plain decoding; with c
+    the only drafter, plain decoding runs them. Never when the policy does not ask."""
+    costs = CostTable(VERIFY_S, {"a": 0.1, "c": 0.0})
+
+    def controller(cheap_first: bool, drafters: Sequence[str] = ("a", "c", PLAIN)) -> StepController:
+        priors = {name: prior for name, prior in {"a": 0.5, "c": 0.2}.items() if name in drafters}
+        ctl = start(drafters, priors, costs=costs, cheap=("c",), cheap_first=cheap_first)
+        for _ in range(30):  # c's shadow scores: silent 3 steps in 4, 8 of 8 matched otherwise
+            for hit in (0, 0, 0, SHADOW_LEN):
+                ctl.observe_shadow("c", 0, hit, hit)
+        return ctl
+
+    ctl = controller(True)
+    choice = ctl.next()
+    assert choice.drafter == "a" and choice.first_drafter == "c" and choice.first_len == 8, choice
+    ctl.observe("c", choice.first_len, choice.first_len)  # c proposed and ran the step: a stays usable
+    assert ctl.next().drafter == "a" and "a" not in ctl._disabled
+    ctl.observe("a", 2, 1)
+    alone = controller(True, ("c", PLAIN))
+    choice = alone.next()
+    assert (choice.drafter, choice.first_drafter) == (PLAIN, "c"), choice
+    off = controller(False)
+    assert off.next().first_drafter is None  # the plan's step
+    off.observe("a", 2, 1)
+    assert off.next() == StepChoice("c", 8, SWITCH, pytest.approx(2.5, abs=0.1))  # c alone, silent steps plain

@@ -160,40 +160,48 @@ class Generation:
     def num_remaining(self) -> int:
         return self.ctx.max_len - len(self.ctx.token_ids)
 
-    def step(self, drafter: str = PLAIN, k: int = 0, shadow: Collection[str] = ()) -> StepStats:
+    def step(
+        self, drafter: str = PLAIN, k: int = 0, shadow: Collection[str] = (), first: str | None = None,
+        first_len: int = 0,
+    ) -> StepStats:
         """Propose up to k tokens with `drafter` (PLAIN or k = 0: none), verify, emit.
         A drafter that raises is dropped for the rest of the request: the step goes on plainly.
 
         Each drafter in `shadow` (cheap ones: proposing costs next to nothing) also proposes
         max_draft_len tokens here, scored against the tokens the target emits (StepStats.shadows,
-        once decided). For `drafter` itself only the positions past its real draft are scored."""
+        once decided). For `drafter` itself only the positions past its real draft are scored.
+
+        `first`: a cheap drafter tried before `drafter`; when it proposes, its first `first_len`
+        tokens are the step's draft (StepStats.drafter says which drafter drafted)."""
         if self.finished:
             raise RuntimeError("step() on a finished generation")
-        if drafter != PLAIN and drafter not in self.engine.drafters:
-            raise RequestError(f"unknown drafter {drafter!r}", "drafter")
-        k = max(0, min(k, self.num_remaining - 1, self.engine.config.max_draft_len))
+        for name in (drafter, first):
+            if name not in (PLAIN, None) and name not in self.engine.drafters:
+                raise RequestError(f"unknown drafter {name!r}", "drafter")
+        k = self._clip(k)
         fallback = None
         if drafter in self._broken:
             drafter, fallback = PLAIN, "drafter_error"
         if k == 0:
             drafter = PLAIN
+        first_len = self._clip(first_len) if first is not None and first not in self._broken else 0
         context_len = len(self.ctx.token_ids)
         for name in shadow:
-            if name != drafter:
+            if name != drafter and not (name == first and first_len):
                 self._shadow(name, context_len, 0)
 
         t0 = time.perf_counter()
         draft = None
-        if drafter != PLAIN:
-            ask = self.engine.config.max_draft_len if drafter in shadow else k
-            draft = self._guard(drafter, lambda impl, state: impl.propose(state, self.ctx, ask))
+        if first is not None and first_len:
+            lead = self._propose(first, first_len, shadow, context_len)
+            if lead is not None and lead.token_ids.numel():
+                drafter, k, draft, fallback = first, first_len, lead, None
+            elif lead is not None and first in shadow:  # proposed nothing: a silent step of its own
+                self._pending.append(_PendingShadow(first, context_len, 0, []))
+        if draft is None and drafter != PLAIN:
+            draft = self._propose(drafter, k, shadow, context_len)
             if draft is None:
                 drafter, fallback = PLAIN, "drafter_error"
-            elif ask > k:  # verify k; the rest is scored like a shadow
-                proposal = draft.token_ids.tolist()
-                if len(proposal) > k:
-                    self._pending.append(_PendingShadow(drafter, context_len, k, proposal))
-                draft = Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
         draft_ids = draft.token_ids.to(self.device) if draft is not None else self._no_draft
         t1 = time.perf_counter()
         start = self.cache.length
@@ -259,6 +267,22 @@ class Generation:
         # the last prompt token goes through the ordinary step path: identical numerics to
         # every later step, and the first generated token comes out of `step` like all others
         self.prefill_s = time.perf_counter() - t0
+
+    def _clip(self, k: int) -> int:
+        """k within the token budget (the bonus token needs room) and the engine's bound."""
+        return max(0, min(k, self.num_remaining - 1, self.engine.config.max_draft_len))
+
+    def _propose(self, name: str, k: int, shadow: Collection[str], context_len: int) -> Draft | None:
+        """`name`'s draft of up to k tokens (None: it raised). A drafter in `shadow` is asked for
+        max_draft_len: what lies past k is scored like a shadow."""
+        ask = self.engine.config.max_draft_len if name in shadow else k
+        draft = self._guard(name, lambda impl, state: impl.propose(state, self.ctx, ask))
+        if draft is not None and ask > k:
+            proposal = draft.token_ids.tolist()
+            if len(proposal) > k:
+                self._pending.append(_PendingShadow(name, context_len, k, proposal))
+            draft = Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
+        return draft
 
     def _shadow(self, name: str, context_len: int, start: int) -> None:
         if name in self._broken or name not in self.engine.drafters:

@@ -280,7 +280,8 @@ class RoutedGeneration:
         """One step; `load`: the other requests this replica interleaves with this one."""
         self.controller.load = load
         choice = self.controller.next()
-        stats = self.gen.step(choice.drafter, choice.draft_len, shadow=self.shadow)
+        stats = self.gen.step(choice.drafter, choice.draft_len, shadow=self.shadow, first=choice.first_drafter,
+                              first_len=choice.first_len)
         if stats.fallback_reason is not None or stats.draft_len > 0:  # not a step clipped to k = 0 at the end
             self.controller.observe(stats.drafter, stats.num_draft_tokens, stats.num_accepted)
         self._records.append(StepRecord.from_step(self.domain, stats))
@@ -289,7 +290,10 @@ class RoutedGeneration:
             self._records.append(ShadowRecord.from_score(self.domain, score))
         if self._ttft_s is None:
             self._ttft_s = time.perf_counter() - self._t0
-        self._extend_schedule(choice.drafter, choice.draft_len)
+        if stats.drafter == choice.first_drafter:  # the cheap drafter proposed: it ran the step
+            self._extend_schedule(stats.drafter, choice.first_len)
+        else:
+            self._extend_schedule(choice.drafter, choice.draft_len)
         if self.finished:
             self._finish()
         elif len(self._records) >= FLUSH_EVERY_STEPS:
