@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHARED_EMBEDDINGS_KEY = "specroute_shared_embeddings"  # config.json: the embeddings are the target's
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+WEIGHTS_FILE = "model.safetensors"  # a sharing model's weights: one file (they are small)
 EMBEDDING_KEY = "model.embed_tokens.weight"
 _SHARED_KEYS = frozenset({EMBEDDING_KEY, "lm_head.weight"})  # left out of a sharing model's weights
 
@@ -164,7 +165,7 @@ def _load_sharing(cfg: ModelConfig, source: Path, dtype: torch.dtype, embeddings
         raise ModelLoadError(f"model {cfg.model!r}: vocabulary size {want[0]} and hidden size {want[1]} do not "
                              f"match the target's embeddings, vocabulary size {embeddings.shape[0]} and hidden size "
                              f"{embeddings.shape[1]}")
-    weights = source / "model.safetensors"
+    weights = source / WEIGHTS_FILE
     if not weights.is_file():
         raise ModelLoadError(f"model {cfg.model!r}: no weights at {weights}")
     model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from workers.config import ModelConfig
 from workers.models.llama import FastLlama
-from workers.target import DRAFT_VOCAB_FILE, SHARED_EMBEDDINGS_KEY, load_hf, load_model
+from workers.target import DRAFT_VOCAB_FILE, SHARED_EMBEDDINGS_KEY, WEIGHTS_FILE, load_hf, load_model
 from workers.train.common import (
     CARD_FILE,
     SAVE_DTYPES,
@@ -56,7 +56,6 @@ from workers.train.features import FeatureSet, select_draft_vocab, vocab_coverag
 
 FORMAT = "specroute-model-train/1"
 BETAS = (0.9, 0.95)
-WEIGHTS_FILE = "model.safetensors"
 
 
 @dataclass(frozen=True)
