@@ -28,6 +28,7 @@ from policies.schema import Policy, PolicyError, check_policy_drafters, load_pol
 from policies.selector import FORCED, CostTable, Features, Plan, StepController, decide, forced_plan
 from policies.stats import StatsStore
 from workers.config import PLAIN, RoutingConfig
+from workers.drafters.remote import RemoteDrafter
 from workers.engine import Generation, GenerationResult, RequestError, SpecEngine, StepStats
 from workers.sampling import SamplingParams
 
@@ -108,9 +109,12 @@ def measure_draft_costs(engine: SpecEngine, prompt: list[int], repeats: int, k: 
     """Each drafter's best seconds per draft token over `repeats` real steps drafting k tokens on
     `prompt`, after one that warms it up (and feeds it the prompt). A drafter that proposes
     nothing here (n-gram lookup on a prompt without repeats) or fails is left out: its cost stays
-    0 until live steps measure it."""
+    0 until live steps measure it; so is a drafter on its own deployment, whose replicas may not
+    be up yet while this replica starts."""
     out: dict[str, float] = {}
-    for name in engine.drafters:
+    for name, drafter in engine.drafters.items():
+        if isinstance(drafter, RemoteDrafter):
+            continue
         gen = engine.start(prompt, SamplingParams(max_tokens=(repeats + 1) * (k + 1), ignore_eos=True))
         try:
             steps = [gen.step(name, k) for _ in range(repeats + 1)][1:]
