@@ -199,7 +199,7 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
     from policies.schema import PolicyError, check_policy_drafters, load_policy
 
     if args.drafters is None:
-        configured = {d.name for d in EngineConfig().drafters} | {PLAIN}
+        configured = {d.name for d in load_engine_config(DEFAULT_SERVE_CONFIG).drafters} | {PLAIN}
     else:
         configured = set(_comma_list(args.drafters, "--drafters"))
     try:
@@ -372,7 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("file", type=Path, metavar="FILE.yaml")
     check.add_argument(
         "--drafters", default=None,
-        help=f"comma-separated drafters the engine has (default: the default engine's, plus {PLAIN})",
+        help=f"comma-separated drafters the engine has (default: those of deploy/{DEFAULT_SERVE_CONFIG.name}, "
+             f"plus {PLAIN})",
     )
     check.set_defaults(func=cmd_policy_check)
 

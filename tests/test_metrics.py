@@ -350,7 +350,7 @@ def test_prometheus_config_and_alert_rules(base_url: str, traffic: list[dict]) -
 
 # -- PUT /v1/policy ----------------------------------------------------------------------------------
 def _policy_text(version: str, k_max: int = 10) -> str:
-    text = DEFAULT_POLICY_PATH.read_text().replace('version: "default-1"', f'version: "{version}"')
+    text = DEFAULT_POLICY_PATH.read_text().replace('version: "default-2"', f'version: "{version}"')
     return text.replace("k_max: 10", f"k_max: {k_max}", 1)  # the first domain (code)
 
 
@@ -399,4 +399,4 @@ def test_put_policy_reaches_every_replica(base_url: str) -> None:
     worker.broadcast("reconfigure", {"policy": {"version": "uc-bad"}}).results(timeout_s=60)
     assert {a["policy_version"] for a in worker.broadcast("observe").results(timeout_s=60)} == {"put-2"}
     worker.broadcast("reconfigure", {"policy": str(DEFAULT_POLICY_PATH)}).results(timeout_s=60)
-    assert {a["policy_version"] for a in worker.broadcast("observe").results(timeout_s=60)} == {"default-1"}
+    assert {a["policy_version"] for a in worker.broadcast("observe").results(timeout_s=60)} == {"default-2"}

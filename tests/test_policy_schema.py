@@ -18,7 +18,7 @@ from policies.schema import (
     check_policy_drafters,
     load_policy,
 )
-from router.cli import main
+from router.cli import DEFAULT_SERVE_CONFIG, load_engine_config, main
 
 DEFAULT_DOMAINS = {"code", "math", "summarization", "rag", "translation", "chat"}
 
@@ -56,13 +56,17 @@ def test_shipped_default_policy_validates() -> None:
     policy = load_policy(DEFAULT_POLICY_PATH)
     assert set(policy.domains) == DEFAULT_DOMAINS
     assert policy.default_domain in policy.domains
+    shipped = {d.name for d in load_engine_config(DEFAULT_SERVE_CONFIG).drafters}
     for name, dp in policy.domains.items():
-        assert set(dp.drafters) == {"ngram", PLAIN}, name
-        assert 0.0 <= dp.priors["ngram"] <= 1.0
-        assert (dp.k_min, dp.k_max) == (2, 10)
+        assert {"ngram", PLAIN} <= set(dp.drafters) <= shipped | {PLAIN}, name
+        assert all(0.0 <= p <= 1.0 for p in dp.priors.values()) and set(dp.priors) == set(dp.drafters) - {PLAIN}
+        assert dp.k_max == 10
+        # the trained drafters draft where they pay (chat, code, math), prompt lookup first
+        assert dp.cheap_first == (set(dp.drafters) != {"ngram", PLAIN})
     # copying tasks accept more than open chat
     assert policy.domains["translation"].priors["ngram"] > policy.domains["chat"].priors["ngram"]
-    check_policy_drafters(policy, {"ngram"})
+    assert check_policy_drafters(policy, shipped).ignored == ()
+    assert check_policy_drafters(policy, {"ngram"}).policy.domains["chat"].drafters == ["ngram", PLAIN]
 
 
 def test_default_policy_rules_route_as_documented() -> None:
