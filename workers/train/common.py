@@ -9,7 +9,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from workers.models.llama import FastLlama
 from workers.train.corpus import build_corpus, parse_sources
-from workers.train.features import FeatureSet, chunk_documents, extract_features
+from workers.train.features import FeatureSet, chunk_documents, extract_features, select_draft_vocab, vocab_coverage
 
 STATE_DIR = "train_state"
 STATE_TENSORS = "state.safetensors"
@@ -164,6 +164,49 @@ def target_features(
         raise TrainError(f"{path}: features of size {fs.features.shape[1]}, the target's hidden size is "
                          f"{model.info.hidden_size}; delete the file to extract them again")
     return fs
+
+
+def check_common_args(args: Any, positive: tuple[str, ...]) -> None:
+    """What every trainer's settings share: the sizes in `positive`, --draft-vocab, --lr,
+    --grad-clip, --stop-at and --save-dtype. Each trainer checks its own on top."""
+    for name in positive:
+        if getattr(args, name) <= 0:
+            raise TrainError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.draft_vocab < 0:
+        raise TrainError(f"--draft-vocab must be >= 0 (0: the full vocabulary), got {args.draft_vocab}")
+    if args.lr <= 0 or args.grad_clip <= 0:
+        raise TrainError("--lr and --grad-clip must be positive")
+    if args.stop_at is not None and not 0 < args.stop_at <= args.steps:
+        raise TrainError(f"--stop-at must be in 1..--steps ({args.steps}), got {args.stop_at}")
+    if args.save_dtype not in SAVE_DTYPES:
+        raise TrainError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}")
+
+
+def draft_vocab_of(fs: FeatureSet, model: FastLlama, size: int) -> tuple[torch.Tensor | None, float]:
+    """The draft vocabulary (`size` most frequent corpus tokens, end-of-sequence first; None: the
+    whole vocabulary, for size 0 or at least the vocabulary) and its corpus coverage."""
+    if not 0 < size < model.info.vocab_size:
+        return None, 1.0
+    vocab = select_draft_vocab(fs.ids, model.info.vocab_size, size, sorted(model.info.eos_token_ids))
+    return vocab, vocab_coverage(fs.ids, vocab)
+
+
+def new_record(fmt: str, args: Any, fs: FeatureSet, windows: tuple[list, list], vocab: torch.Tensor | None,
+               coverage: float, vocab_size: int, eval_initial: dict[str, float] | None) -> dict[str, Any]:
+    """A new run's record: settings, corpus, windows (held out, trained on), draft vocabulary."""
+    held_out, train = windows
+    return {
+        "format": fmt, "step": 0, "args": {**asdict(args), "resume": False}, "sessions": [args.command],
+        "train_s": 0.0, "history": [],
+        "corpus": {"sources": fs.meta.get("sources", {}), "tokens": fs.num_tokens,
+                   "chunks": int(fs.bounds.shape[0] - 1),
+                   "features": getattr(args, "features", None) or "extracted by this run",
+                   "extract_s": fs.meta.get("extract_s"), "extract_tokens_per_s": fs.meta.get("tokens_per_s"),
+                   "extract_device": fs.meta.get("device")},
+        "windows": {"train": len(train), "held_out": len(held_out), "seq_len": args.seq_len},
+        "draft_vocab": {"size": vocab_size if vocab is None else len(vocab), "coverage": round(coverage, 6)},
+        "eval_initial": eval_initial,
+    }
 
 
 def resumed_record(saved: dict[str, Any], args: dict[str, Any], command: str) -> dict[str, Any]:

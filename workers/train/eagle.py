@@ -51,9 +51,12 @@ from workers.train.common import (
     Checkpoint,
     TrainError,
     atomic_write_text,
+    check_common_args,
     check_resume,
     cosine_lr,
+    draft_vocab_of,
     load_state,
+    new_record,
     record_checkpoint,
     resumed_record,
     run_steps,
@@ -62,7 +65,7 @@ from workers.train.common import (
     train_device,
 )
 from workers.train.corpus import parse_sources
-from workers.train.features import FeatureSet, select_draft_vocab, vocab_coverage
+from workers.train.features import FeatureSet
 
 FORMAT = "specroute-eagle-train/1"
 BETAS = (0.9, 0.95)  # EAGLE's AdamW betas
@@ -238,21 +241,13 @@ def evaluate(net: EagleNet, parts: TargetParts, fs: FeatureSet, windows: list, b
 # -- state ------------------------------------------------------------------------------------------
 # -- the run ----------------------------------------------------------------------------------------
 def _check_args(args: EagleTrainArgs) -> None:
-    for name in ("max_tokens", "chunk_len", "steps", "batch", "seq_len", "save_every"):
-        if getattr(args, name) <= 0:
-            raise TrainError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    check_common_args(args, ("max_tokens", "chunk_len", "steps", "batch", "seq_len", "save_every"))
     if args.chunk_len < 2:
         raise TrainError("--chunk-len must be at least 2 (one pair)")
-    if args.draft_vocab < 0:
-        raise TrainError(f"--draft-vocab must be >= 0 (0: the full vocabulary), got {args.draft_vocab}")
-    if args.lr <= 0 or args.noise < 0 or args.w_cls < 0 or args.grad_clip <= 0:
-        raise TrainError("--lr and --grad-clip must be positive, --noise and --w-cls non-negative")
-    if args.stop_at is not None and not 0 < args.stop_at <= args.steps:
-        raise TrainError(f"--stop-at must be in 1..--steps ({args.steps}), got {args.stop_at}")
+    if args.noise < 0 or args.w_cls < 0:
+        raise TrainError("--noise and --w-cls must be non-negative")
     if args.init not in INITS:
         raise TrainError(f"--init must be one of {', '.join(INITS)}")
-    if args.save_dtype not in SAVE_DTYPES:
-        raise TrainError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}")
 
 
 def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -277,10 +272,7 @@ def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dic
                          seed=args.seed, chunk_len=args.chunk_len, resume=args.resume, log=log)
 
     vocab_size = model.info.vocab_size
-    vocab = None
-    if 0 < args.draft_vocab < vocab_size:
-        vocab = select_draft_vocab(fs.ids, vocab_size, args.draft_vocab, sorted(model.info.eos_token_ids))
-    coverage = vocab_coverage(fs.ids, vocab) if vocab is not None else 1.0
+    vocab, coverage = draft_vocab_of(fs, model, args.draft_vocab)
 
     torch.manual_seed(args.seed)  # --init random: torch's default initialization, reproducible
     net = EagleNet(eagle_config_for(model, None if vocab is None else len(vocab)))
@@ -309,16 +301,8 @@ def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dic
         load_state(state_dir, net, opt)
         record = resumed_record(saved, asdict(args), args.command)
     else:
-        record = {
-            "format": FORMAT, "step": 0, "args": {**asdict(args), "resume": False}, "sessions": [args.command],
-            "train_s": 0.0, "history": [],
-            "corpus": {"sources": fs.meta.get("sources", {}), "tokens": fs.num_tokens,
-                       "chunks": int(fs.bounds.shape[0] - 1), "extract_s": fs.meta.get("extract_s"),
-                       "extract_tokens_per_s": fs.meta.get("tokens_per_s"), "extract_device": fs.meta.get("device")},
-            "windows": {"train": len(train_windows), "held_out": len(held_out), "seq_len": args.seq_len},
-            "draft_vocab": {"size": vocab_size if vocab is None else len(vocab), "coverage": round(coverage, 6)},
-            "eval_initial": evaluate(net, parts, fs, held_out, args.batch, args.w_cls, device),
-        }
+        record = new_record(FORMAT, args, fs, (held_out, train_windows), vocab, coverage, vocab_size,
+                            evaluate(net, parts, fs, held_out, args.batch, args.w_cls, device))
     record["draft_vocab"]["head"] = ("the target's own lm_head" if vocab is None
                                      else "trainable" if args.train_head else "frozen")
 

@@ -41,9 +41,12 @@ from workers.train.common import (
     Checkpoint,
     TrainError,
     atomic_write_text,
+    check_common_args,
     check_resume,
     cosine_lr,
+    draft_vocab_of,
     load_state,
+    new_record,
     record_checkpoint,
     resumed_record,
     run_steps,
@@ -52,7 +55,7 @@ from workers.train.common import (
     train_device,
 )
 from workers.train.corpus import parse_sources
-from workers.train.features import FeatureSet, select_draft_vocab, vocab_coverage
+from workers.train.features import FeatureSet
 
 FORMAT = "specroute-model-train/1"
 BETAS = (0.9, 0.95)
@@ -196,17 +199,7 @@ def evaluate(student: PreTrainedModel, head_t: torch.Tensor, fs: FeatureSet, win
 
 
 def _check_args(args: ModelTrainArgs) -> None:
-    for name in ("max_tokens", "chunk_len", "num_layers", "steps", "batch", "seq_len", "save_every"):
-        if getattr(args, name) <= 0:
-            raise TrainError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.draft_vocab < 0:
-        raise TrainError(f"--draft-vocab must be >= 0 (0: the full vocabulary), got {args.draft_vocab}")
-    if args.lr <= 0 or args.grad_clip <= 0:
-        raise TrainError("--lr and --grad-clip must be positive")
-    if args.stop_at is not None and not 0 < args.stop_at <= args.steps:
-        raise TrainError(f"--stop-at must be in 1..--steps ({args.steps}), got {args.stop_at}")
-    if args.save_dtype not in SAVE_DTYPES:
-        raise TrainError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}")
+    check_common_args(args, ("max_tokens", "chunk_len", "num_layers", "steps", "batch", "seq_len", "save_every"))
     parse_layers(args.init_layers, args.num_layers)
 
 
@@ -230,11 +223,7 @@ def train_model(args: ModelTrainArgs, log: Callable[[str], None] = print) -> dic
     fs = target_features(model, loaded.tokenizer, state_dir, data=args.data, max_tokens=args.max_tokens,
                          seed=args.seed, chunk_len=args.chunk_len, resume=args.resume, log=log, source=args.features)
 
-    vocab_size = model.info.vocab_size
-    vocab = None
-    if 0 < args.draft_vocab < vocab_size:
-        vocab = select_draft_vocab(fs.ids, vocab_size, args.draft_vocab, sorted(model.info.eos_token_ids))
-    coverage = vocab_coverage(fs.ids, vocab) if vocab is not None else 1.0
+    vocab, coverage = draft_vocab_of(fs, model, args.draft_vocab)
     head_t = (model.lm_head.w_t if vocab is None else model.lm_head.w_t[:, vocab.to(model.device)]).float().to(device)
 
     student = student_from_target(target_hf, layers).to(device)
@@ -250,16 +239,9 @@ def train_model(args: ModelTrainArgs, log: Callable[[str], None] = print) -> dic
         load_state(state_dir, trainable, opt)
         record = resumed_record(saved, asdict(args), args.command)
     else:
-        record = {
-            "format": FORMAT, "step": 0, "args": {**asdict(args), "resume": False}, "sessions": [args.command],
-            "train_s": 0.0, "history": [], "init_layers": layers,
-            "corpus": {"sources": fs.meta.get("sources", {}), "tokens": fs.num_tokens,
-                       "chunks": int(fs.bounds.shape[0] - 1), "features": args.features or "extracted by this run",
-                       "extract_s": fs.meta.get("extract_s"), "extract_tokens_per_s": fs.meta.get("tokens_per_s")},
-            "windows": {"train": len(train_windows), "held_out": len(held_out), "seq_len": args.seq_len},
-            "draft_vocab": {"size": vocab_size if vocab is None else len(vocab), "coverage": round(coverage, 6)},
-            "eval_initial": evaluate(student, head_t, fs, held_out, args.batch, device),
-        }
+        record = new_record(FORMAT, args, fs, (held_out, train_windows), vocab, coverage, model.info.vocab_size,
+                            evaluate(student, head_t, fs, held_out, args.batch, device))
+        record["init_layers"] = layers
 
     start_step, stop = record["step"], min(args.steps, args.stop_at or args.steps)
     batcher = Batcher(train_windows, args.batch, args.seed)
