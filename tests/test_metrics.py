@@ -349,9 +349,9 @@ def test_prometheus_config_and_alert_rules(base_url: str, traffic: list[dict]) -
 
 
 # -- PUT /v1/policy ----------------------------------------------------------------------------------
-def _policy_text(version: str, k_max: int = 10) -> str:
+def _policy_text(version: str, k_min: int = 1) -> str:
     text = DEFAULT_POLICY_PATH.read_text().replace('version: "default-2"', f'version: "{version}"')
-    return text.replace("k_max: 10", f"k_max: {k_max}", 1)  # the first domain (code)
+    return text.replace("k_min: 1\n", f"k_min: {k_min}\n", 1)  # the first domain (code)
 
 
 def _put(base_url: str, body: str | bytes, token: str | None = TOKEN) -> requests.Response:
@@ -374,7 +374,7 @@ def test_put_policy_needs_the_admin_token(base_url: str) -> None:
 
 def test_put_bad_policy_is_400_naming_the_field_and_the_old_one_stays(base_url: str) -> None:
     before = requests.get(f"{base_url}/v1/stats", timeout=60).json()["policy_version"]
-    r = _put(base_url, _policy_text("bad-1", k_max=1))  # code: k_max 1 < k_min 2
+    r = _put(base_url, _policy_text("bad-1", k_min=12))  # code: k_max 10 < k_min 12
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "domains.code.k_max" and "k_min" in error["message"]
