@@ -36,6 +36,11 @@ class TrainError(ValueError):
     """A user error in the training settings or state; the message names the setting or file."""
 
 
+def warmup_steps(warmup: int | None, steps: int) -> int:
+    """--warmup, or by default 5% of the steps (1 .. 1000)."""
+    return warmup if warmup is not None else max(1, min(1000, round(0.05 * steps)))
+
+
 def cosine_lr(step: int, lr: float, steps: int, warmup: int) -> float:
     """Linear warmup over `warmup` steps, then cosine decay to MIN_LR_RATIO * lr at `steps`."""
     if step < warmup:

@@ -63,6 +63,7 @@ from workers.train.common import (
     split_windows,
     target_features,
     train_device,
+    warmup_steps,
 )
 from workers.train.corpus import parse_sources
 from workers.train.features import FeatureSet
@@ -106,7 +107,7 @@ class EagleTrainArgs:
     command: str = ""
 
     def warmup_steps(self) -> int:
-        return self.warmup if self.warmup is not None else max(1, min(1000, round(0.05 * self.steps)))
+        return warmup_steps(self.warmup, self.steps)
 
 
 # settings that define the run: a resume must not change them (steps, stop_at, save_every, device may change)

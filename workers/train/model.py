@@ -53,6 +53,7 @@ from workers.train.common import (
     split_windows,
     target_features,
     train_device,
+    warmup_steps,
 )
 from workers.train.corpus import parse_sources
 from workers.train.features import FeatureSet
@@ -89,7 +90,7 @@ class ModelTrainArgs:
     command: str = ""
 
     def warmup_steps(self) -> int:
-        return self.warmup if self.warmup is not None else max(1, min(1000, round(0.05 * self.steps)))
+        return warmup_steps(self.warmup, self.steps)
 
 
 RESUME_MUST_MATCH = ("target", "data", "features", "max_tokens", "draft_vocab", "chunk_len", "num_layers",
