@@ -290,14 +290,18 @@ def cmd_gen_answers(args: argparse.Namespace) -> int:
 
     for path in args.prompts:
         _existing_file(path, "--prompts")
+    if args.temperature < 0:
+        raise CLIError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.samples > 1 and args.temperature == 0:
+        raise CLIError("--samples above 1 needs --temperature > 0 (greedy answers to one prompt are all the same)")
     try:
         rows, skipped = read_prompts(args.prompts, args.heldout_mod, args.limit)
         if not rows:
             raise CLIError("--prompts: no prompts to answer (every one is held out)")
         model, tokenizer, _ = load_hf(ModelConfig(model=args.target, device=args.device))
         stats = generate_answers(model, tokenizer, rows, args.out, max_tokens=args.max_tokens, batch=args.batch,
-                                 max_prompt_tokens=args.max_prompt_tokens,
-                                 log=lambda line: print(line, file=sys.stderr))
+                                 max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature,
+                                 samples=args.samples, seed=args.seed, log=lambda line: print(line, file=sys.stderr))
     except (CorpusError, ModelLoadError) as e:
         raise CLIError(str(e)) from None
     except OSError as e:
@@ -436,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "--num-layers - 1 and the last)")
     td.set_defaults(func=cmd_train_drafter)
 
-    ga = sub.add_parser("gen-answers", help="the target's greedy answers to prompts: chat data for train-drafter")
+    ga = sub.add_parser("gen-answers", help="the target's answers to prompts: chat data for train-drafter")
     ga.add_argument("--prompts", type=Path, action="append", required=True,
                     help="JSONL: Spec-Bench questions (first turn, train split only) or {prompt} lines (repeatable)")
     ga.add_argument("--out", type=Path, required=True, help="JSONL of {prompt, answer} lines (continued if present)")
@@ -447,6 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
     ga.add_argument("--heldout-mod", type=_positive_int, default=5,
                     help="Spec-Bench question_id %% N == 0 is held out: never answered (default 5)")
     ga.add_argument("--limit", type=_positive_int, default=None, help="answer at most the first N prompts")
+    ga.add_argument("--temperature", type=float, default=0.0,
+                    help="0 (default): greedy answers; > 0: sample from the target's distribution at this temperature")
+    ga.add_argument("--samples", type=_positive_int, default=1,
+                    help="answers per prompt (more than 1 needs --temperature > 0)")
+    ga.add_argument("--seed", type=int, default=0, help="seeds the sampling")
     ga.add_argument("--device", default="cpu")
     ga.set_defaults(func=cmd_gen_answers)
     return parser

@@ -258,3 +258,26 @@ def test_gen_answers_writes_the_targets_greedy_answers_and_resumes(tiny_llama_di
     assert sorted(json.loads(line)["prompt"] for line in out.read_text().splitlines()) == sorted(texts)
     assert main([*argv[:4], str(tmp_path / "none.jsonl"), *argv[5:]]) == 2
     assert "no file" in capsys.readouterr().err
+
+
+def test_gen_answers_samples_several_answers_per_prompt(tiny_llama_dir: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("Name a prime.", "Sort [3, 1, 2].")))
+    out = tmp_path / "sampled.jsonl"
+    argv = ["gen-answers", "--target", str(tiny_llama_dir), "--prompts", str(prompts), "--out", str(out),
+            "--max-tokens", "8", "--batch", "3", "--temperature", "1.0"]
+    assert main([*argv, "--samples", "2"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["prompt"], r["sample"]) for r in rows) == [("Name a prime.", 0), ("Name a prime.", 1),
+                                                                 ("Sort [3, 1, 2].", 0), ("Sort [3, 1, 2].", 1)]
+    # a random tiny model at temperature 1 does not repeat itself: the samples are draws, not copies
+    assert len({r["answer"] for r in rows}) > 2
+    capsys.readouterr()
+    assert main([*argv, "--samples", "3"]) == 0  # continued: only sample 2 of each prompt is new
+    assert "4 already in" in capsys.readouterr().out
+    assert sorted(json.loads(line)["sample"] for line in out.read_text().splitlines()) == [0, 0, 1, 1, 2, 2]
+    assert main([*argv[:-2], "--samples", "2"]) == 2  # greedy answers to one prompt are all the same
+    assert "--samples above 1 needs --temperature > 0" in capsys.readouterr().err
+    assert main([*argv[:-1], "-0.5"]) == 2
+    assert "--temperature must be >= 0" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Chat data in the target's own words (`specroute gen-answers`): its greedy answers to prompts.
+"""Chat data in the target's own words (`specroute gen-answers`): its answers to prompts.
 
 EAGLE learns to predict the target's features on text the target itself would write, so the chat
 source of a drafter's corpus is best the target's own answers. Prompts come from JSONL files of
@@ -7,11 +7,16 @@ either shape:
     TRAIN split; a question with question_id % heldout_mod == 0 is held out and skipped;
   * `{"prompt": ...}` lines (optional `id`, `category`): any prompt that is not a held-out
     Spec-Bench prompt (that one is refused, naming the line).
-Answers are generated greedily in batches through transformers (left padding), each prompt
-wrapped in the target's chat template as the engine does when serving, cut at the first
-end-of-sequence token. The output is `{"prompt", "answer", "id", "category", "num_tokens",
-"finish_reason"}` per line, written as each batch finishes; an existing output is continued
-(prompts already answered are skipped), so an interrupted run resumes.
+Answers are generated in batches through transformers (left padding), each prompt wrapped in the
+target's chat template as the engine does when serving, cut at the first end-of-sequence token.
+Greedy by default (one answer per prompt: the text greedy serving visits); with `temperature > 0`,
+`samples` answers per prompt drawn from the target's own distribution, which multiplies the chat
+data a fixed set of prompts gives (a distilled drafter learns the target's whole next-token
+distribution at every position, so sampled text teaches it as much as greedy text). The output is
+`{"prompt", "answer", "id", "category", "sample", "num_tokens", "finish_reason"}` per line, written
+as each batch finishes; an existing output is continued ((prompt, sample) pairs already answered are
+skipped), so an interrupted run resumes (a resumed sampling run draws other samples than an
+uninterrupted one would: batches are seeded by their position in the run).
 """
 
 from __future__ import annotations
@@ -85,36 +90,44 @@ def read_prompts(paths: Sequence[Path], heldout_mod: int = DEFAULT_HELDOUT_MOD, 
     return rows, skipped
 
 
-def done_prompts(out: Path) -> set[str]:
-    """Prompts already answered in an existing output (a resumed run skips them)."""
+def done_prompts(out: Path) -> set[tuple[str, int]]:
+    """(prompt, sample) pairs already answered in an existing output (a resumed run skips them)."""
     if not out.is_file():
         return set()
     done = set()
     for line in out.read_text(encoding="utf-8").splitlines():
         if line.strip():
             try:
-                done.add(json.loads(line)["prompt"])
-            except (json.JSONDecodeError, KeyError, TypeError):
+                row = json.loads(line)
+                done.add((row["prompt"], int(row.get("sample", 0))))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
                 continue  # a line cut by an interruption: answered again
     return done
 
 
 def generate_answers(
     model: Any, tokenizer: Any, rows: Sequence[PromptRow], out: Path, *, max_tokens: int = 256, batch: int = 8,
-    max_prompt_tokens: int = 1024, log: Callable[[str], None] = print,
+    max_prompt_tokens: int = 1024, temperature: float = 0.0, samples: int = 1, seed: int = 0,
+    log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Greedy answers of `model` to `rows`, appended to `out` batch by batch. Prompts are sorted by
-    length so a batch pads little; a prompt over max_prompt_tokens is skipped."""
+    """Answers of `model` to `rows` (greedy, or `samples` each at `temperature`), appended to `out`
+    batch by batch. Prompts are sorted by length so a batch pads little; a prompt over
+    max_prompt_tokens is skipped."""
     import torch
     from transformers import GenerationConfig
 
     from workers.target import eos_token_ids
 
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if samples < 1 or (samples > 1 and temperature == 0):
+        raise ValueError(f"samples must be 1 for greedy answers (temperature 0) and >= 1 otherwise, got {samples}")
     done = done_prompts(out)
     encoded = []
     too_long = 0
     for row in rows:
-        if row.prompt in done:
+        todo = [i for i in range(samples) if (row.prompt, i) not in done]
+        if not todo:
             continue
         messages = [{"role": "user", "content": row.prompt}]
         if getattr(tokenizer, "chat_template", None):
@@ -125,39 +138,42 @@ def generate_answers(
         if len(ids) > max_prompt_tokens:
             too_long += 1
             continue
-        encoded.append((row, ids))
-    encoded.sort(key=lambda r: len(r[1]))
+        encoded += [(row, i, ids) for i in todo]
+    encoded.sort(key=lambda r: len(r[2]))
     eos = sorted(eos_token_ids(model, tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else \
+        {"do_sample": False}  # the target's own distribution: no top-k / top-p truncation
+    config = GenerationConfig(max_new_tokens=max_tokens, eos_token_id=eos, pad_token_id=pad, **sampling)
     out.parent.mkdir(parents=True, exist_ok=True)
     start, tokens, written = time.perf_counter(), 0, 0
     with out.open("a", encoding="utf-8") as f:
         for b in range(0, len(encoded), batch):
             part = encoded[b : b + batch]
-            width = max(len(ids) for _, ids in part)
+            width = max(len(ids) for _, _, ids in part)
             input_ids = torch.full((len(part), width), pad, dtype=torch.long)
             mask = torch.zeros((len(part), width), dtype=torch.long)
-            for i, (_, ids) in enumerate(part):  # left padding: every prompt ends at the last column
+            for i, (_, _, ids) in enumerate(part):  # left padding: every prompt ends at the last column
                 input_ids[i, width - len(ids):] = torch.tensor(ids)
                 mask[i, width - len(ids):] = 1
+            torch.manual_seed(seed * 1_000_003 + b)  # sampling draws from torch's global generator
             with torch.no_grad():
                 gen = model.generate(input_ids.to(model.device), attention_mask=mask.to(model.device),
                                      generation_config=config)
-            for (row, _), seq in zip(part, gen[:, width:].tolist()):
+            for (row, sample, _), seq in zip(part, gen[:, width:].tolist()):
                 cut = next((i for i, t in enumerate(seq) if t in eos), None)
                 answer_ids = seq if cut is None else seq[:cut]
                 answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
                 if not answer:
                     continue
                 f.write(json.dumps({"prompt": row.prompt, "answer": answer, "id": row.id, "category": row.category,
-                                    "num_tokens": len(answer_ids),
+                                    "sample": sample, "num_tokens": len(answer_ids),
                                     "finish_reason": "length" if cut is None else "stop"}) + "\n")
                 tokens += len(answer_ids)
                 written += 1
             f.flush()
             wall = time.perf_counter() - start
-            log(f"answers: {written}/{len(encoded)} prompts, {tokens} tokens, {wall:.0f} s "
+            log(f"answers: {written}/{len(encoded)} answers, {tokens} tokens, {wall:.0f} s "
                 f"({tokens / wall if wall > 0 else 0:.0f} tokens/s)")
     wall = time.perf_counter() - start
     return {"written": written, "already_done": len(done), "too_long": too_long, "tokens": tokens,
