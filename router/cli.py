@@ -426,14 +426,16 @@ def build_parser() -> argparse.ArgumentParser:
     eagle.add_argument("--train-head", action="store_true", help="train the draft head too (default: frozen)")
     eagle.add_argument("--init", choices=("target", "random"), default=None,
                        help="target: an identity layer reading with the target's last layer's weights; random: torch's")
+    eagle.add_argument("--unroll", type=_positive_int, default=None,
+                       help="draft steps trained per position, each fed the head's own features (default 1: "
+                            "EAGLE-1; 2-3: the training-time test of HASS / EAGLE-3)")
     medusa = td.add_argument_group("medusa")
     medusa.add_argument("--num-heads", type=_positive_int, default=None, help="heads (default 3)")
     medusa.add_argument("--decay", type=float, default=None, help="head i's loss weight decay^i (Medusa: 0.8)")
     medusa.add_argument("--num-layers", type=_positive_int, default=None,
                         help="medusa: residual blocks per head (default 1); model: decoder layers (default 2)")
-    medusa.add_argument("--features", default=None,
-                        help="medusa, model: an earlier run's train_state/features.safetensors instead of running "
-                             "the target")
+    td.add_argument("--features", default=None,
+                        help="an earlier run's train_state/features.safetensors instead of running the target")
     model = td.add_argument_group("model")
     model.add_argument("--init-layers", default=None,
                        help="the target's layers the model starts from, comma list (default: the first "

@@ -211,6 +211,65 @@ def test_target_init_starts_as_the_identity(tiny_llama_dir: Path) -> None:
     assert net.draft_vocab.tolist() == vocab.tolist()
 
 
+# -- the training-time test (--unroll) ---------------------------------------------------------------
+def test_unroll_mask_sees_what_drafting_sees() -> None:
+    from workers.train.eagle import unroll_mask
+
+    # step 2, query 2 continues the draft that began after true pair 1: true keys 0..1, its own step-2 key
+    assert unroll_mask(4, 2)[2].tolist() == [True, True, False, False] + [False, False, True, False]
+    # step 3, query 3: true keys 0..1, the step-2 key of the same draft (2) and its own step-3 key (3)
+    assert unroll_mask(4, 3)[3].tolist() == [True, True, False, False] + [False, False, True, False] + \
+        [False, False, False, True]
+    assert torch.equal(unroll_mask(5, 1), torch.ones(5, 5, dtype=torch.bool).tril())  # step 1: causal
+
+
+def test_unrolled_steps_equal_drafting_with_the_cache(tiny_llama_dir: Path) -> None:
+    """Step j of the parallel unroll at position s is exactly the j-th draft step run sequentially
+    through the drafting cache from true pair s - j + 1, fed the head's own features."""
+    from workers.config import ModelConfig
+    from workers.drafters.eagle import EagleCache
+    from workers.target import load_model
+    from workers.train.eagle import eagle_config_for, unrolled_predictions
+
+    model = load_model(ModelConfig(model=str(tiny_llama_dir))).model
+    torch.manual_seed(0)
+    net = EagleNet(eagle_config_for(model, None)).eval()
+    t, cfg = 9, net.cfg
+    feats = torch.randn(1, t, cfg.hidden_size)
+    ids = torch.randint(0, cfg.vocab_size, (t,))
+    embeds = model.embed[ids].float()[None]
+    cos, sin = model.cos[:t].float(), model.sin_signed[:t].float()
+    with torch.no_grad():
+        preds = unrolled_predictions(net, embeds, feats, cos, sin, 3)
+        for p in range(t - 2):  # a draft begins after true pair p
+            shape = (cfg.num_key_value_heads, t, cfg.head_dim)
+            cache = EagleCache(torch.empty(shape), torch.empty(shape))
+            out = net(embeds[:, : p + 1], feats[:, : p + 1], cos[: p + 1], sin[: p + 1], cache)[:, -1:]
+            torch.testing.assert_close(out[0, 0], preds[0][0, p], rtol=1e-4, atol=1e-4)
+            for j in (2, 3):
+                s = p + j - 1
+                out = net(embeds[:, s : s + 1], out, cos[s : s + 1], sin[s : s + 1], cache)
+                torch.testing.assert_close(out[0, 0], preds[j - 1][0, s], rtol=1e-4, atol=1e-4)
+
+
+def test_unrolled_training_reports_later_draft_steps(tiny_llama_dir: Path, tmp_path: Path, trained: Path) -> None:
+    out = tmp_path / "unrolled"
+    features = trained / "train_state" / "features.safetensors"
+    assert train(tiny_llama_dir, out, "--steps", "4", "--unroll", "2", "--features", str(features)) == 0
+    rec = record(out)
+    assert rec["corpus"]["tokens"] == record(trained)["corpus"]["tokens"]  # the other run's features, reused
+    before, after = rec["eval_initial"], rec["eval_final"]
+    assert {"top1", "top1_2"} <= after.keys() and after["loss"] < before["loss"]
+    assert "top1_2" in record(trained)["eval_final"]  # EAGLE-1 runs report draft step 2 too
+    card = (out / "CARD.md").read_text()
+    assert "--unroll 2" in card and "draft step 2" in card
+    from workers.train.common import TrainError
+    from workers.train.eagle import EagleTrainArgs, train_eagle
+
+    with pytest.raises(TrainError, match="--unroll must be at least 1"):
+        train_eagle(EagleTrainArgs(target=str(tiny_llama_dir), data="pydoc", out=str(tmp_path / "bad"), unroll=0))
+
+
 # -- gen-answers -------------------------------------------------------------------------------------
 def test_read_prompts_keeps_the_train_split_only(tmp_path: Path) -> None:
     from workers.train.answers import read_prompts

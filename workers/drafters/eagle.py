@@ -88,15 +88,32 @@ class EagleLayer(nn.Module):
         self.mlp.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.mlp.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: EagleCache | None) -> torch.Tensor:
-        """x: [B, T, h]; cos, sin: [T, d] (sin signed for the roll form of rotate_half)."""
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotated queries [B, nh, T, d], keys and values [B, nkv, T, d] of x [B, T, h]; cos, sin:
+        [T, d] (sin signed for the roll form of rotate_half)."""
         b, t, _ = x.shape
         a = self.self_attn
-        q = a.q_proj(x).view(b, t, self.nh, self.d).transpose(1, 2)  # [B, nh, T, d]
+        q = a.q_proj(x).view(b, t, self.nh, self.d).transpose(1, 2)
         k = a.k_proj(x).view(b, t, self.nkv, self.d).transpose(1, 2)
         v = a.v_proj(x).view(b, t, self.nkv, self.d).transpose(1, 2)
-        q = q * cos + q.roll(self.d // 2, dims=-1) * sin
-        k = k * cos + k.roll(self.d // 2, dims=-1) * sin
+        return q * cos + q.roll(self.d // 2, dims=-1) * sin, k * cos + k.roll(self.d // 2, dims=-1) * sin, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+               causal: bool = False) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.nkv != self.nh)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the attention output attn [B, nh, T, d] and the MLP."""
+        b, t, _ = x.shape
+        x = x + self.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, self.nh * self.d))
+        m = self.mlp
+        h = self.post_attention_layernorm(x)
+        return x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: EagleCache | None) -> torch.Tensor:
+        """x: [B, T, h]; cos, sin: [T, d]."""
+        t = x.shape[1]
+        q, k, v = self.qkv(x, cos, sin)
         mask, causal = None, t > 1
         if cache is not None:  # batch 1: append, attend over everything cached
             start = cache.length
@@ -106,11 +123,7 @@ class EagleLayer(nn.Module):
                 end = start + t
                 mask = torch.arange(end, device=x.device) <= torch.arange(start, end, device=x.device)[:, None]
                 causal = False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.nkv != self.nh)
-        x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.d))
-        m = self.mlp
-        h = self.post_attention_layernorm(x)
-        return x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+        return self.finish(x, self.attend(q, k, v, mask, causal))
 
 
 @dataclass

@@ -5,7 +5,10 @@ Objective (EAGLE-1, Li et al. 2024): for pairs (f_t, x_{t+1}) predict f_{t+1}, t
 where p_target is the target's lm_head on the true next feature and p_draft the draft head on the
 predicted one, both over the draft vocabulary (w_cls = 0.1 as in the paper). The input features
 get uniform noise U(-noise, noise) (the paper's U(-0.1, 0.1)) so the head learns to draft from
-its own slightly-off predicted features. No test-time-training unroll (that is EAGLE-3's).
+its own slightly-off predicted features. `unroll > 1` adds the training-time test of HASS /
+EAGLE-3: draft steps 2..unroll are trained too, each fed the head's own predicted feature of the
+step before (detached) and attending as drafting does (`unrolled_predictions`), with the same loss
+summed over the steps. It aims at what EAGLE-1 leaves weak: the second and later draft tokens.
 
 Initialization (so training starts from a sane point, not noise):
   * fc = [0 | I], bias 0: the layer's input starts as the feature itself;
@@ -78,6 +81,13 @@ INIT_TEXT = {
 INITS = tuple(INIT_TEXT)
 
 
+def unroll_text(unroll: int) -> str:
+    if unroll == 1:
+        return "One draft step per position (EAGLE-1; `--unroll 1`)."
+    return (f"Draft steps 1..{unroll} per position (`--unroll {unroll}`, the training-time test): step j is fed "
+            "step j-1's predicted feature and attends as drafting does; the loss is summed over the steps.")
+
+
 @dataclass(frozen=True)
 class EagleTrainArgs:
     target: str
@@ -94,6 +104,8 @@ class EagleTrainArgs:
     weight_decay: float = 0.0
     w_cls: float = 0.1
     noise: float = 0.1  # half-width of the uniform noise on input features
+    unroll: int = 1  # draft steps trained per position (1: EAGLE-1; more: the training-time test)
+    features: str | None = None  # an earlier run's features file instead of running the target
     grad_clip: float = 0.5
     seed: int = 0
     device: str = "cpu"
@@ -111,8 +123,9 @@ class EagleTrainArgs:
 
 
 # settings that define the run: a resume must not change them (steps, stop_at, save_every, device may change)
-RESUME_MUST_MATCH = ("target", "data", "max_tokens", "draft_vocab", "chunk_len", "batch", "seq_len", "lr", "warmup",
-                     "weight_decay", "w_cls", "noise", "grad_clip", "seed", "train_head", "init", "eval_windows")
+RESUME_MUST_MATCH = ("target", "data", "features", "max_tokens", "draft_vocab", "chunk_len", "batch", "seq_len", "lr",
+                     "warmup", "weight_decay", "w_cls", "noise", "unroll", "grad_clip", "seed", "train_head", "init",
+                     "eval_windows")
 
 
 def lr_at(step: int, args: EagleTrainArgs) -> float:
@@ -200,42 +213,101 @@ class TargetParts:
     sin: torch.Tensor  # [seq_len, d] float32, signed form
 
 
+def unroll_mask(t: int, step: int, device: torch.device | None = None) -> torch.Tensor:
+    """The keys the queries of draft step `step` (1-based) see, as in drafting: [t, step * t] bool over
+    the keys of steps 1..step side by side. Query s of step j continues the draft that began after the
+    true pair s - j + 1: it sees the true pairs 0 .. s - j + 1 (step 1's keys) and, of each step
+    2 <= i <= j, the one key at s - j + i (that draft's earlier fed-back pairs, itself last)."""
+    s = torch.arange(t, device=device)[:, None]
+    r = torch.arange(t, device=device)[None, :]
+    return torch.cat([r <= s - step + 1] + [r == s - step + i for i in range(2, step + 1)], dim=1)
+
+
+def unrolled_predictions(net: EagleNet, embeds: torch.Tensor, feats: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Predicted features [B, T, h] of draft steps 1..steps at every position, in parallel (the
+    training-time test of HASS / EAGLE-3). Step 1 is EAGLE-1's teacher-forced pass on (f_s, x_{s+1});
+    step j at s reads step j-1's prediction of f_s (made at s - 1, detached) with the true x_{s+1}, and
+    attends as drafting does (`unroll_mask`): so the layer learns to draft from its own features."""
+    layer = net.layers[0]  # EAGLE-1: one decoder layer
+    t = feats.shape[1]
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    preds: list[torch.Tensor] = []
+    inputs = feats
+    for j in range(1, steps + 1):
+        if j > 1:
+            prev = preds[-1].detach()
+            inputs = torch.cat((torch.zeros_like(prev[:, :1]), prev[:, :-1]), dim=1)
+        x = net.fc(torch.cat((embeds, inputs), dim=-1))
+        q, k, v = layer.qkv(x, cos, sin)
+        keys.append(k)
+        values.append(v)
+        if j == 1:
+            out = layer.attend(q, k, v, causal=t > 1)
+        else:
+            out = layer.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), unroll_mask(t, j, x.device))
+        preds.append(layer.finish(x, out))
+    return preds
+
+
 def eagle_loss(
     net: EagleNet, parts: TargetParts, batch: Batch, w_cls: float, noise: float = 0.0,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | None = None, unroll: int = 1, train_steps: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The objective: sum over draft steps 1..train_steps (default: all `unroll`) of
+    SmoothL1 + w_cls * CE. Stats: `loss`, `reg`, `cls`, `top1` of step 1 (EAGLE-1's, comparable
+    across runs) and `top1_j` of each later step j <= unroll."""
     feats = batch.inputs
     if noise > 0:
         u = torch.rand(feats.shape, generator=generator, device=feats.device, dtype=feats.dtype)
         feats = feats + (2 * u - 1) * noise
     t = feats.shape[1]
-    pred = net(parts.embed[batch.next_ids].float(), feats, parts.cos[:t], parts.sin[:t])[batch.mask]  # [M, h]
-    target = batch.targets[batch.mask]
-    reg = F.smooth_l1_loss(pred, target, reduction="none").mean(-1).mean()
-    with torch.no_grad():
-        p = torch.softmax(target @ parts.head_t, dim=-1)  # the target's distribution over the draft vocab
+    preds = unrolled_predictions(net, parts.embed[batch.next_ids].float(), feats, parts.cos[:t], parts.sin[:t],
+                                 unroll)
     draft_head_t = net.lm_head.weight.t() if net.lm_head is not None else parts.head_t
-    logits = pred @ draft_head_t
-    cls = -(p * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-    loss = reg + w_cls * cls
-    with torch.no_grad():
-        acc = (logits.argmax(-1) == p.argmax(-1)).float().mean()
-    return loss, {"loss": loss.item(), "reg": reg.item(), "cls": cls.item(), "top1": acc.item(), "n": pred.shape[0]}
+    objective = feats.new_zeros(())
+    stats: dict[str, float] = {}
+    for j, pred_j in enumerate(preds, 1):
+        mask = batch.mask.clone()
+        mask[:, : j - 1] = False  # step j at s continues a draft that began at s - j + 1 >= 0
+        pred, target = pred_j[mask], batch.targets[mask]  # [M, h]
+        reg = F.smooth_l1_loss(pred, target, reduction="none").mean(-1).mean()
+        with torch.no_grad():
+            p = torch.softmax(target @ parts.head_t, dim=-1)  # the target's distribution over the draft vocab
+        logits = pred @ draft_head_t
+        cls = -(p * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        if j <= (train_steps or unroll):
+            objective = objective + reg + w_cls * cls
+        with torch.no_grad():
+            acc = (logits.argmax(-1) == p.argmax(-1)).float().mean().item()
+        if j == 1:
+            stats |= {"loss": (reg + w_cls * cls).item(), "reg": reg.item(), "cls": cls.item(), "top1": acc,
+                      "n": pred.shape[0]}
+        else:
+            stats[f"top1_{j}"] = acc
+    return objective, stats
+
+
+EVAL_STEPS = 2  # held-out agreement is reported for draft steps 1 and 2 at least (what k = 2 drafts)
 
 
 @torch.no_grad()
 def evaluate(net: EagleNet, parts: TargetParts, fs: FeatureSet, windows: list, batch: int, w_cls: float,
-             device: torch.device) -> dict[str, float] | None:
-    """Loss terms and top-1 agreement (draft argmax == target argmax) on held-out windows, no noise."""
+             device: torch.device, unroll: int = 1) -> dict[str, float] | None:
+    """Step-1 loss terms and top-1 agreement (draft argmax == target argmax) on held-out windows, no
+    noise, and the agreement of later draft steps fed the head's own features."""
     if not windows:
         return None
-    sums: dict[str, float] = {"loss": 0.0, "reg": 0.0, "cls": 0.0, "top1": 0.0}
+    sums: dict[str, float] = {}
     total = 0
     for i in range(0, len(windows), batch):
-        _, stats = eagle_loss(net, parts, gather(fs, windows[i : i + batch], device), w_cls)
-        for k in sums:
-            sums[k] += stats[k] * stats["n"]
-        total += int(stats["n"])
+        _, stats = eagle_loss(net, parts, gather(fs, windows[i : i + batch], device), w_cls,
+                              unroll=max(unroll, EVAL_STEPS))
+        n = stats.pop("n")
+        for k, v in stats.items():
+            sums[k] = sums.get(k, 0.0) + v * n  # later steps' counts differ by a position per window: negligible
+        total += int(n)
     return {k: round(v / total, 6) for k, v in sums.items()} | {"pairs": total}
 
 
@@ -247,6 +319,8 @@ def _check_args(args: EagleTrainArgs) -> None:
         raise TrainError("--chunk-len must be at least 2 (one pair)")
     if args.noise < 0 or args.w_cls < 0:
         raise TrainError("--noise and --w-cls must be non-negative")
+    if args.unroll < 1:
+        raise TrainError(f"--unroll must be at least 1 (EAGLE-1's single step), got {args.unroll}")
     if args.init not in INITS:
         raise TrainError(f"--init must be one of {', '.join(INITS)}")
 
@@ -258,7 +332,8 @@ def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dic
     out = Path(args.out)
     state_dir = out / STATE_DIR
     saved = check_resume(out, args.resume, asdict(args), RESUME_MUST_MATCH)
-    parse_sources(args.data)  # bad sources fail before the target loads
+    if args.features is None:
+        parse_sources(args.data)  # bad sources fail before the target loads
     device = train_device(args.device)
 
     loaded = load_model(ModelConfig(model=args.target, device=args.device))
@@ -270,7 +345,7 @@ def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dic
         raise TrainError(f"--chunk-len {args.chunk_len} exceeds the target's {model.info.max_position} positions")
 
     fs = target_features(model, loaded.tokenizer, state_dir, data=args.data, max_tokens=args.max_tokens,
-                         seed=args.seed, chunk_len=args.chunk_len, resume=args.resume, log=log)
+                         seed=args.seed, chunk_len=args.chunk_len, resume=args.resume, log=log, source=args.features)
 
     vocab_size = model.info.vocab_size
     vocab, coverage = draft_vocab_of(fs, model, args.draft_vocab)
@@ -287,7 +362,7 @@ def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dic
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=args.lr, betas=BETAS,
                             weight_decay=args.weight_decay)
     head_t = model.lm_head.w_t if vocab is None else model.lm_head.w_t[:, vocab.to(model.device)]
-    max_t = min(args.seq_len, args.chunk_len - 1)
+    max_t = min(args.seq_len, int((fs.bounds[1:] - fs.bounds[:-1]).max()) - 1)  # the longest window
     parts = TargetParts(
         embed=model.embed.to(device), head_t=head_t.to(device=device, dtype=torch.float32),
         cos=model.cos[:max_t].to(device=device, dtype=torch.float32),
@@ -303,7 +378,7 @@ def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dic
         record = resumed_record(saved, asdict(args), args.command)
     else:
         record = new_record(FORMAT, args, fs, (held_out, train_windows), vocab, coverage, vocab_size,
-                            evaluate(net, parts, fs, held_out, args.batch, args.w_cls, device))
+                            evaluate(net, parts, fs, held_out, args.batch, args.w_cls, device, args.unroll))
     record["draft_vocab"]["head"] = ("the target's own lm_head" if vocab is None
                                      else "trainable" if args.train_head else "frozen")
 
@@ -315,14 +390,15 @@ def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dic
 
     def loss_at(step: int) -> tuple[torch.Tensor, dict[str, float]]:
         generator.manual_seed(noise_seed(args.seed, step))
-        return eagle_loss(net, parts, gather(fs, batcher.at(step), device), args.w_cls, args.noise, generator)
+        return eagle_loss(net, parts, gather(fs, batcher.at(step), device), args.w_cls, args.noise, generator,
+                          args.unroll)
 
     def on_checkpoint(cp: Checkpoint) -> None:
         entry: dict[str, Any] = {"step": cp.step, "lr": lr_at(cp.step - 1, args),
                                  "epoch": round(batcher.epoch_of(cp.step), 4)}
         if cp.train:
             entry["train"] = cp.train
-        entry["eval"] = evaluate(net, parts, fs, held_out, args.batch, args.w_cls, device)
+        entry["eval"] = evaluate(net, parts, fs, held_out, args.batch, args.w_cls, device, args.unroll)
         record_checkpoint(record, entry, cp.train_s, state_dir, net, opt)
         write_drafter(out, net, record, args)
         held = entry["eval"]
@@ -351,7 +427,9 @@ def write_drafter(out: Path, net: EagleNet, record: dict[str, Any], args: EagleT
 def _fmt_eval(ev: dict[str, float] | None) -> str:
     if not ev:
         return "n/a"
-    return f"loss {ev['loss']:.4f} (SmoothL1 {ev['reg']:.4f}, CE {ev['cls']:.4f}), top-1 agreement {ev['top1']:.4f}"
+    later = "".join(f", draft step {k.removeprefix('top1_')} {v:.4f}" for k, v in ev.items() if k.startswith("top1_"))
+    return (f"loss {ev['loss']:.4f} (SmoothL1 {ev['reg']:.4f}, CE {ev['cls']:.4f}), top-1 agreement {ev['top1']:.4f}"
+            + (f" (fed its own features:{later[1:]})" if later else ""))
 
 
 def render_card(record: dict[str, Any], args: EagleTrainArgs, cfg: EagleConfig) -> str:
@@ -399,9 +477,10 @@ for them, {vocab['head']}.
 
 EAGLE-1: SmoothL1(predicted f_t+1, f_t+1) + {args.w_cls} x cross-entropy(target's distribution on the
 true feature, head's distribution on the predicted one), over the draft vocabulary; input features get
-uniform noise U(-{args.noise}, {args.noise}). AdamW (betas {BETAS}, weight decay {args.weight_decay}), lr
-{args.lr} with {args.warmup_steps()} warmup steps and cosine decay to {MIN_LR_RATIO} x lr at {args.steps}
-steps, gradient clipping {args.grad_clip}, batch {args.batch} x {args.seq_len}, seed {args.seed}.
+uniform noise U(-{args.noise}, {args.noise}). {unroll_text(args.unroll)}
+AdamW (betas {BETAS}, weight decay {args.weight_decay}), lr {args.lr} with {args.warmup_steps()} warmup steps
+and cosine decay to {MIN_LR_RATIO} x lr at {args.steps} steps, gradient clipping {args.grad_clip}, batch
+{args.batch} x {args.seq_len}, seed {args.seed}.
 Initialization (`--init {args.init}`): {INIT_TEXT[args.init]}.
 
 ## Results (held-out windows)
