@@ -424,8 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     eagle.add_argument("--w-cls", type=float, default=None, help="weight of the cross-entropy term (EAGLE: 0.1)")
     eagle.add_argument("--noise", type=float, default=None, help="uniform noise U(-x, x) on input features (0.1)")
     eagle.add_argument("--train-head", action="store_true", help="train the draft head too (default: frozen)")
-    eagle.add_argument("--init", choices=("target", "random"), default=None,
-                       help="target: an identity layer reading with the target's last layer's weights; random: torch's")
+    eagle.add_argument("--init", default=None,
+                       help="target (default): an identity layer reading with the target's last layer's weights; "
+                            "random: torch's; or an EAGLE checkpoint folder to fine-tune from")
     eagle.add_argument("--unroll", type=_positive_int, default=None,
                        help="draft steps trained per position, each fed the head's own features (default 1: "
                             "EAGLE-1; 2-3: the training-time test of HASS / EAGLE-3)")

@@ -119,6 +119,7 @@ def test_resume_repeats_the_uninterrupted_run(trained: Path, tiny_llama_dir: Pat
     (["--data", "wikipedia"], "unknown source 'wikipedia'"),
     (["--data", ""], "--data is empty"),
     (["--steps", "4", "--stop-at", "5"], "--stop-at"),
+    (["--init", "nowhere"], "--init must be one of target, random or an EAGLE checkpoint folder; no nowhere/config.json"),
     ([], "no such directory"),  # the target
 ])
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, tmp_path: Path,
@@ -263,6 +264,12 @@ def test_unrolled_training_reports_later_draft_steps(tiny_llama_dir: Path, tmp_p
     assert "top1_2" in record(trained)["eval_final"]  # EAGLE-1 runs report draft step 2 too
     card = (out / "CARD.md").read_text()
     assert "--unroll 2" in card and "draft step 2" in card
+    # fine-tuning starts where the checkpoint ended: same features, same held-out windows, same loss
+    tuned = tmp_path / "tuned"
+    assert train(tiny_llama_dir, tuned, "--steps", "1", "--init", str(trained), "--features", str(features)) == 0
+    assert record(tuned)["eval_initial"]["loss"] == pytest.approx(record(trained)["eval_final"]["loss"], rel=1e-4)
+    assert f"from the EAGLE checkpoint `{trained}`" in (tuned / "CARD.md").read_text()
+
     from workers.train.common import TrainError
     from workers.train.eagle import EagleTrainArgs, train_eagle
 

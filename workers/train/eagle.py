@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.config import ModelConfig
-from workers.drafters.eagle import EagleConfig, EagleNet
+from workers.drafters.eagle import CheckpointError, EagleConfig, EagleNet
 from workers.models.llama import FastLlama
 from workers.target import load_model
 from workers.train.common import (
@@ -81,6 +81,12 @@ INIT_TEXT = {
 INITS = tuple(INIT_TEXT)
 
 
+def init_text(init: str) -> str:
+    """The card's line for --init: a named scheme, or a checkpoint folder fine-tuned from."""
+    return INIT_TEXT.get(init, f"fc and the decoder layer from the EAGLE checkpoint `{init}` (fine-tuned from it); "
+                               "the head from this run's draft vocabulary")
+
+
 def unroll_text(unroll: int) -> str:
     if unroll == 1:
         return "One draft step per position (EAGLE-1; `--unroll 1`)."
@@ -112,7 +118,8 @@ class EagleTrainArgs:
     save_every: int = 500
     stop_at: int | None = None  # stop (with a checkpoint) after this step; --resume continues
     train_head: bool = False
-    init: str = "target"  # "target": identity layer reading with the target's last layer; "random": torch's init
+    init: str = "target"  # "target": identity layer reading with the target's last layer; "random": torch's
+    # init; else an EAGLE checkpoint folder to fine-tune from (its fc and layer; the head is this run's)
     eval_windows: int = 64  # held-out windows (at most a tenth of all), never trained on
     save_dtype: str = "float32"
     resume: bool = False
@@ -184,6 +191,22 @@ def init_head(net: EagleNet, model: FastLlama, vocab: torch.Tensor | None) -> No
         net.draft_vocab.copy_(vocab)
 
 
+@torch.no_grad()
+def init_from_checkpoint(net: EagleNet, path: str, model: FastLlama) -> None:
+    """fc and the decoder layer from a trained EAGLE checkpoint (checked against the target's sizes);
+    the head stays this run's (its draft vocabulary may differ from the checkpoint's)."""
+    try:
+        source = EagleNet.load(path, model.info.hidden_size, model.info.vocab_size)
+    except CheckpointError as e:
+        raise TrainError(f"--init: {e}") from None
+    state = {k: v.float() for k, v in source.state_dict().items() if not k.startswith(("lm_head", "draft_vocab"))}
+    own = {k for k in net.state_dict() if not k.startswith(("lm_head", "draft_vocab"))}
+    if state.keys() != own or any(state[k].shape != net.state_dict()[k].shape for k in own):
+        raise TrainError(f"--init {path}: its fc and layer do not have this target's EAGLE shapes "
+                         f"(missing {sorted(own - state.keys())}, unexpected {sorted(state.keys() - own)})")
+    net.load_state_dict(state, strict=False)  # the head is this run's
+
+
 # -- data -------------------------------------------------------------------------------------------
 @dataclass
 class Batch:
@@ -253,11 +276,10 @@ def unrolled_predictions(net: EagleNet, embeds: torch.Tensor, feats: torch.Tenso
 
 def eagle_loss(
     net: EagleNet, parts: TargetParts, batch: Batch, w_cls: float, noise: float = 0.0,
-    generator: torch.Generator | None = None, unroll: int = 1, train_steps: int | None = None,
+    generator: torch.Generator | None = None, unroll: int = 1,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The objective: sum over draft steps 1..train_steps (default: all `unroll`) of
-    SmoothL1 + w_cls * CE. Stats: `loss`, `reg`, `cls`, `top1` of step 1 (EAGLE-1's, comparable
-    across runs) and `top1_j` of each later step j <= unroll."""
+    """The objective: SmoothL1 + w_cls * CE summed over draft steps 1..unroll. Stats: `loss`, `reg`,
+    `cls`, `top1` of step 1 (EAGLE-1's, comparable across runs) and `top1_j` of each later step."""
     feats = batch.inputs
     if noise > 0:
         u = torch.rand(feats.shape, generator=generator, device=feats.device, dtype=feats.dtype)
@@ -277,8 +299,7 @@ def eagle_loss(
             p = torch.softmax(target @ parts.head_t, dim=-1)  # the target's distribution over the draft vocab
         logits = pred @ draft_head_t
         cls = -(p * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-        if j <= (train_steps or unroll):
-            objective = objective + reg + w_cls * cls
+        objective = objective + reg + w_cls * cls
         with torch.no_grad():
             acc = (logits.argmax(-1) == p.argmax(-1)).float().mean().item()
         if j == 1:
@@ -321,8 +342,9 @@ def _check_args(args: EagleTrainArgs) -> None:
         raise TrainError("--noise and --w-cls must be non-negative")
     if args.unroll < 1:
         raise TrainError(f"--unroll must be at least 1 (EAGLE-1's single step), got {args.unroll}")
-    if args.init not in INITS:
-        raise TrainError(f"--init must be one of {', '.join(INITS)}")
+    if args.init not in INITS and not (Path(args.init) / "config.json").is_file():
+        raise TrainError(f"--init must be one of {', '.join(INITS)} or an EAGLE checkpoint folder; "
+                         f"no {Path(args.init) / 'config.json'}")
 
 
 def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -356,6 +378,8 @@ def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dic
         init_from_target(net, model, vocab)
     else:
         init_head(net, model, vocab)
+        if args.init != "random":
+            init_from_checkpoint(net, args.init, model)
     net.to(device)
     if net.lm_head is not None:
         net.lm_head.weight.requires_grad_(args.train_head)
@@ -481,7 +505,7 @@ uniform noise U(-{args.noise}, {args.noise}). {unroll_text(args.unroll)}
 AdamW (betas {BETAS}, weight decay {args.weight_decay}), lr {args.lr} with {args.warmup_steps()} warmup steps
 and cosine decay to {MIN_LR_RATIO} x lr at {args.steps} steps, gradient clipping {args.grad_clip}, batch
 {args.batch} x {args.seq_len}, seed {args.seed}.
-Initialization (`--init {args.init}`): {INIT_TEXT[args.init]}.
+Initialization (`--init {args.init}`): {init_text(args.init)}.
 
 ## Results (held-out windows)
 
