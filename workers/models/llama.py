@@ -72,12 +72,13 @@ class _Layer:
 
 # A product's best kernel depends on the machine and on the number of rows (1 for a decode step,
 # 1 + k to verify a draft): MKL's packed GEMM wins on some Intel parts, oneDNN on AMD (measured
-# 3x on the lm_head at 8 rows, docs/benchmarks.md), a plain x @ W_t for one row almost anywhere.
+# 3x on the lm_head at 8 rows, docs/benchmarks.md), for one row a plain x @ W_t or oneDNN.
 # So each weight shape is timed once per process on the kernels available, per row bucket.
 _ROW_BUCKETS = (1, 3, 8, 17)  # representative rows; a product takes the bucket of the first >= its rows
 _KERNELS = ("stream", "dnnl", "mkl")
 _MARGIN = 0.85  # a later kernel must be this much faster than the one chosen so far
 _PACK_ROWS_HINT = 16
+_COLD_BYTES = 64 << 20  # weight copies cycled while timing a kernel: more than a CPU cache holds
 
 
 def _bucket(rows: int) -> int:
@@ -97,22 +98,30 @@ def _available(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
 
 @functools.cache
 def _kernel_plan(out_features: int, in_features: int, kernels: tuple[str, ...]) -> tuple[str, ...]:
-    """The fastest kernel per row bucket for this weight shape, timed on random data."""
+    """The fastest kernel per row bucket for this weight shape, timed on random data.
+
+    Timed with cold weights, as a forward sees them: it reads every layer's weights once, far more
+    than a CPU cache holds, so a small step is bound by memory bandwidth. A weight that stays
+    cached between repetitions (the earlier way) measured the 1-row `stream` product as fastest,
+    while in the forward oneDNN reads the same bytes ~15% faster: plain decoding ran 26 ms/step
+    against 22 for a 2-row verify step of the same model (SmolLM2-135M, AMD EPYC, 2 threads)."""
     if len(kernels) == 1:
         return kernels * len(_ROW_BUCKETS)
-    w = torch.randn(out_features, in_features)
-    lin = Linear(w, plan=kernels * len(_ROW_BUCKETS), keep_packed="mkl" in kernels)
-    reps = max(1, min(8, int(2e7 // (out_features * in_features))))  # ~ the same time for every shape
+    copies = max(1, min(64, _COLD_BYTES // (4 * out_features * in_features)))
+    lins = [Linear(torch.randn(out_features, in_features), plan=kernels * len(_ROW_BUCKETS),
+                   keep_packed="mkl" in kernels) for _ in range(copies)]
+    passes = max(1, min(2, int(4e7 // (copies * out_features * in_features))))  # ~ the same time for every shape
     plan = []
     for rows in _ROW_BUCKETS:
         x = torch.randn(rows, in_features)
         best: dict[str, float] = {}
         for kernel in kernels:
-            lin.run(kernel, x)  # warm up
+            lins[0].run(kernel, x)  # warm up the kernel (not the weights)
             t0 = time.perf_counter()
-            for _ in range(reps):
-                lin.run(kernel, x)
-            best[kernel] = (time.perf_counter() - t0) / reps
+            for _ in range(passes):
+                for lin in lins:  # each copy has left the cache by the time it comes round again
+                    lin.run(kernel, x)
+            best[kernel] = (time.perf_counter() - t0) / (passes * copies)
         # a kernel replaces the simpler one before it only when clearly faster: timing noise must
         # not flip plans between processes (and the packed copy costs memory)
         choice = "stream"
