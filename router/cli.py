@@ -436,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     medusa.add_argument("--num-layers", type=_positive_int, default=None,
                         help="medusa: residual blocks per head (default 1); model: decoder layers (default 2)")
     td.add_argument("--features", default=None,
-                        help="an earlier run's train_state/features.safetensors instead of running the target")
+                    help="an earlier run's train_state/features.safetensors instead of running the target")
     model = td.add_argument_group("model")
     model.add_argument("--init-layers", default=None,
                        help="the target's layers the model starts from, comma list (default: the first "

@@ -143,7 +143,7 @@ def generate_answers(
     eos = sorted(eos_token_ids(model, tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else \
-        {"do_sample": False}  # the target's own distribution: no top-k / top-p truncation
+        {"do_sample": False}  # no top-k / top-p truncation: only the temperature reshapes the target's distribution
     config = GenerationConfig(max_new_tokens=max_tokens, eos_token_id=eos, pad_token_id=pad, **sampling)
     out.parent.mkdir(parents=True, exist_ok=True)
     start, tokens, written = time.perf_counter(), 0, 0
