@@ -285,16 +285,13 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 def cmd_gen_answers(args: argparse.Namespace) -> int:
     from workers.config import ModelConfig
     from workers.target import ModelLoadError, load_hf
-    from workers.train.answers import generate_answers, read_prompts
+    from workers.train.answers import check_sampling, generate_answers, read_prompts
     from workers.train.corpus import CorpusError
 
     for path in args.prompts:
         _existing_file(path, "--prompts")
-    if args.temperature < 0:
-        raise CLIError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.samples > 1 and args.temperature == 0:
-        raise CLIError("--samples above 1 needs --temperature > 0 (greedy answers to one prompt are all the same)")
     try:
+        check_sampling(args.temperature, args.samples)  # before the model loads
         rows, skipped = read_prompts(args.prompts, args.heldout_mod, args.limit)
         if not rows:
             raise CLIError("--prompts: no prompts to answer (every one is held out)")

@@ -105,6 +105,16 @@ def done_prompts(out: Path) -> set[tuple[str, int]]:
     return done
 
 
+def check_sampling(temperature: float, samples: int) -> None:
+    """Settings gen-answers can honour: greedy (temperature 0) gives one answer per prompt."""
+    if temperature < 0:
+        raise CorpusError(f"--temperature must be >= 0, got {temperature}")
+    if samples < 1:
+        raise CorpusError(f"--samples must be at least 1, got {samples}")
+    if samples > 1 and temperature == 0:
+        raise CorpusError("--samples above 1 needs --temperature > 0 (greedy answers to one prompt are all the same)")
+
+
 def generate_answers(
     model: Any, tokenizer: Any, rows: Sequence[PromptRow], out: Path, *, max_tokens: int = 256, batch: int = 8,
     max_prompt_tokens: int = 1024, temperature: float = 0.0, samples: int = 1, seed: int = 0,
@@ -118,10 +128,7 @@ def generate_answers(
 
     from workers.target import eos_token_ids
 
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if samples < 1 or (samples > 1 and temperature == 0):
-        raise ValueError(f"samples must be 1 for greedy answers (temperature 0) and >= 1 otherwise, got {samples}")
+    check_sampling(temperature, samples)
     done = done_prompts(out)
     encoded = []
     too_long = 0
@@ -156,7 +163,8 @@ def generate_answers(
             for i, (_, _, ids) in enumerate(part):  # left padding: every prompt ends at the last column
                 input_ids[i, width - len(ids):] = torch.tensor(ids)
                 mask[i, width - len(ids):] = 1
-            torch.manual_seed(seed * 1_000_003 + b)  # sampling draws from torch's global generator
+            if temperature > 0:
+                torch.manual_seed(seed * 1_000_003 + b)  # sampling draws from torch's global generator
             with torch.no_grad():
                 gen = model.generate(input_ids.to(model.device), attention_mask=mask.to(model.device),
                                      generation_config=config)

@@ -200,8 +200,9 @@ def init_from_checkpoint(net: EagleNet, path: str, model: FastLlama) -> None:
     except CheckpointError as e:
         raise TrainError(f"--init: {e}") from None
     state = {k: v.float() for k, v in source.state_dict().items() if not k.startswith(("lm_head", "draft_vocab"))}
-    own = {k for k in net.state_dict() if not k.startswith(("lm_head", "draft_vocab"))}
-    if state.keys() != own or any(state[k].shape != net.state_dict()[k].shape for k in own):
+    current = net.state_dict()
+    own = {k for k in current if not k.startswith(("lm_head", "draft_vocab"))}
+    if state.keys() != own or any(state[k].shape != current[k].shape for k in own):
         raise TrainError(f"--init {path}: its fc and layer do not have this target's EAGLE shapes "
                          f"(missing {sorted(own - state.keys())}, unexpected {sorted(state.keys() - own)})")
     net.load_state_dict(state, strict=False)  # the head is this run's
