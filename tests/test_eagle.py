@@ -12,7 +12,7 @@ import torch
 from helpers import assert_follows_joint, first_two_tokens_joint
 from safetensors.torch import save_file
 
-from workers.config import EagleDrafterConfig, EngineConfig, NgramDrafterConfig
+from workers.config import EagleDrafterConfig, EngineConfig, NgramDrafterConfig, TreeConfig
 from workers.drafters.eagle import EagleConfig, EagleNet
 from workers.engine import SpecEngine
 from workers.sampling import SamplingParams
@@ -54,11 +54,14 @@ def eagle_engine(tiny_engine: SpecEngine, tmp_path_factory: pytest.TempPathFacto
     full = write_eagle(tmp_path_factory.mktemp("eagle-full"), tiny_engine)
     reduced = write_eagle(tmp_path_factory.mktemp("eagle-reduced"), tiny_engine, list(range(0, 4000, 3)))
     config = EngineConfig(target=tiny_engine.config.target, drafters=[
-        EagleDrafterConfig(name="eagle", path=str(full)), EagleDrafterConfig(name="eagle_small", path=str(reduced))])
+        EagleDrafterConfig(name="eagle", path=str(full)), EagleDrafterConfig(name="eagle_small", path=str(reduced)),
+        EagleDrafterConfig(name="eagle_tree", path=str(full), tree=TreeConfig(topk=3, nodes=10)),
+        EagleDrafterConfig(name="eagle_small_tree", path=str(reduced), tree=TreeConfig(topk=2, nodes=6)),
+        EagleDrafterConfig(name="eagle_chain_tree", path=str(full), tree=TreeConfig(topk=1, nodes=16))])
     return SpecEngine.from_config(config)
 
 
-@pytest.mark.parametrize("drafter", ["eagle", "eagle_small"])
+@pytest.mark.parametrize("drafter", ["eagle", "eagle_small", "eagle_tree", "eagle_small_tree"])
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_identical_to_plain(eagle_engine: SpecEngine, drafter: str, k: int) -> None:
     for text in TEXTS:
@@ -67,6 +70,24 @@ def test_greedy_identical_to_plain(eagle_engine: SpecEngine, drafter: str, k: in
         out = eagle_engine.generate(ids, SamplingParams(max_tokens=24), drafter, k)
         assert out.token_ids == plain.token_ids and out.text == plain.text
         assert out.num_draft_tokens > 0 and out.drafters == [drafter]
+
+
+def test_tree_of_one_candidate_per_position_is_the_chain(eagle_engine: SpecEngine) -> None:
+    """Growing the tree level by level through the drafting cache computes what the chain does."""
+    ids = eagle_engine.encode(TEXTS[0])
+    chain = eagle_engine.generate(ids, SamplingParams(max_tokens=24), "eagle", 4)
+    tree = eagle_engine.generate(ids, SamplingParams(max_tokens=24), "eagle_chain_tree", 4)
+    assert [s.num_accepted for s in tree.steps] == [s.num_accepted for s in chain.steps]
+    assert all(s.num_tree_nodes == s.num_draft_tokens for s in tree.steps)
+
+
+def test_tree_accepts_more_per_step_than_the_chain(eagle_engine: SpecEngine) -> None:
+    for text in TEXTS:
+        ids = eagle_engine.encode(text)
+        chain = eagle_engine.generate(ids, SamplingParams(max_tokens=24), "eagle", 3)
+        tree = eagle_engine.generate(ids, SamplingParams(max_tokens=24), "eagle_tree", 3)
+        assert tree.num_steps <= chain.num_steps
+        assert max(s.num_tree_nodes for s in tree.steps) > 3
 
 
 def test_switching_to_eagle_mid_request_uses_every_feature(eagle_engine: SpecEngine) -> None:
@@ -95,6 +116,24 @@ def test_sampled_output_follows_target_distribution(tiny_engine: SpecEngine, tmp
     # both the accept and the reject path, and mass outside the target's support
     outside = next(t for t in range(model.info.vocab_size) if t not in firsts)
     engine = engine_with(tiny_engine, write_eagle(tmp_path / "eagle", tiny_engine, [firsts[0], firsts[1], outside]))
+    num_trials = 800
+    results = assert_follows_joint(joint, num_trials, lambda seed: engine.generate(
+        prompt, SamplingParams(seed=seed, **params), "eagle", 1))
+    assert 0 < sum(r.num_accepted_tokens for r in results) < num_trials
+
+
+def test_sampled_tree_follows_target_distribution(tiny_engine: SpecEngine, tmp_path: Path) -> None:
+    """A tree's candidates over a reduced vocabulary, verified by multi-candidate rejection
+    sampling, keep the target's joint distribution of the first two sampled tokens."""
+    prompt = tiny_engine.encode("The weather today", chat=False)
+    params = {"max_tokens": 2, "temperature": 1.5, "top_k": 3, "ignore_eos": True}
+    model = tiny_engine.target.model
+    joint = first_two_tokens_joint(model, prompt, SamplingParams(**params))
+    firsts = sorted({a for a, _ in joint})
+    outside = next(t for t in range(model.info.vocab_size) if t not in firsts)
+    path = write_eagle(tmp_path / "eagle", tiny_engine, [firsts[0], firsts[1], outside])
+    engine = SpecEngine.from_config(EngineConfig(target=tiny_engine.config.target, drafters=[
+        EagleDrafterConfig(name="eagle", path=str(path), tree=TreeConfig(topk=2, nodes=4))]))
     num_trials = 800
     results = assert_follows_joint(joint, num_trials, lambda seed: engine.generate(
         prompt, SamplingParams(seed=seed, **params), "eagle", 1))

@@ -12,7 +12,7 @@ import torch
 from helpers import assert_follows_joint, first_two_tokens_joint
 from safetensors.torch import save_file
 
-from workers.config import EngineConfig, MedusaDrafterConfig
+from workers.config import EngineConfig, MedusaDrafterConfig, TreeConfig
 from workers.drafters.medusa import MedusaConfig, MedusaHeads
 from workers.engine import SpecEngine
 from workers.sampling import SamplingParams
@@ -63,6 +63,20 @@ def test_greedy_identical_to_plain(medusa_engine: SpecEngine, drafter: str, k: i
         out = medusa_engine.generate(ids, SamplingParams(max_tokens=24), drafter, k)
         assert out.token_ids == plain.token_ids and out.text == plain.text
         assert out.num_draft_tokens > 0 and max(s.num_draft_tokens for s in out.steps) == min(k, 3)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_tree_greedy_identical_to_plain(medusa_engine: SpecEngine, tmp_path: Path, k: int) -> None:
+    """Medusa's candidate tree: head d's top candidates at depth d + 1, under every kept parent."""
+    path = write_heads(tmp_path / "medusa", medusa_engine)
+    engine = SpecEngine.from_config(EngineConfig(target=medusa_engine.config.target, drafters=[
+        MedusaDrafterConfig(name="medusa", path=str(path), tree=TreeConfig(topk=3, nodes=9))]))
+    for text in TEXTS:
+        ids = engine.encode(text)
+        plain = engine.generate(ids, SamplingParams(max_tokens=24))
+        out = engine.generate(ids, SamplingParams(max_tokens=24), "medusa", k)
+        assert out.token_ids == plain.token_ids and out.text == plain.text
+        assert max(s.num_draft_tokens for s in out.steps) == k and max(s.num_tree_nodes for s in out.steps) > k
 
 
 def test_heads_predict_the_targets_next_tokens_when_trained_so(tiny_engine: SpecEngine, tmp_path: Path) -> None:

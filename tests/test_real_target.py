@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from policies.paths import REPO_ROOT
-from workers.config import EagleDrafterConfig, MedusaDrafterConfig, ModelConfig, ModelDrafterConfig
+from workers.config import EagleDrafterConfig, MedusaDrafterConfig, ModelConfig, ModelDrafterConfig, TreeConfig
 from workers.drafters.registry import build_drafter
 from workers.engine import PLAIN, GenerationResult, SpecEngine
 from workers.sampling import SamplingParams
@@ -120,6 +120,11 @@ SHIPPED = {
     "distilled": ModelDrafterConfig(name="distilled", model=ModelConfig(model=str(REPO_ROOT / "models" / "distilled"))),
     "eagle": EagleDrafterConfig(path="models/eagle"),
     "medusa": MedusaDrafterConfig(path="models/medusa"),
+    # draft trees (workers/tree.py) of the same drafters
+    "distilled_tree": ModelDrafterConfig(name="distilled_tree", tree=TreeConfig(),
+                                         model=ModelConfig(model=str(REPO_ROOT / "models" / "distilled"))),
+    "eagle_tree": EagleDrafterConfig(name="eagle_tree", path="models/eagle", tree=TreeConfig()),
+    "medusa_tree": MedusaDrafterConfig(name="medusa_tree", path="models/medusa", tree=TreeConfig()),
 }
 
 

@@ -11,7 +11,7 @@ import requests
 from helpers import assert_follows_joint, first_two_tokens_joint, serve_tiny_app
 from test_engine import TEXTS, greedy, perturbed_drafter, with_drafters  # noqa: F401  (fixture)
 
-from workers.config import EngineConfig, ModelDrafterConfig
+from workers.config import EngineConfig, ModelDrafterConfig, TreeConfig
 from workers.drafters.model import ModelDrafter
 from workers.drafters.remote import DraftCall, DraftReply, DraftSessions, RemoteDrafter
 from workers.engine import PLAIN, SpecEngine
@@ -64,6 +64,22 @@ def test_remote_drafter_is_greedy_identical_with_one_call_per_step(
     assert all(not r.sessions for r in service.replicas)
     restarts = sum(r.num_restarts for r in service.replicas)
     assert (restarts > 0) == spread  # a session moved between replicas starts again there, nothing else
+
+
+def test_remote_tree_drafter_is_greedy_identical(tiny_engine: SpecEngine, perturbed_drafter: ModelDrafter) -> None:  # noqa: F811
+    """A draft tree's shape travels with the reply: the remote tree accepts what the local one does."""
+    config = perturbed_drafter.config.model_copy(update={"tree": TreeConfig(topk=3, nodes=8)})
+    tree_drafter = ModelDrafter(config, perturbed_drafter.model)
+    engine = remote_engine(tiny_engine, tree_drafter, CountingService(tree_drafter))
+    for text in TEXTS:
+        prompt = engine.encode(text)
+        plain = engine.generate(prompt, greedy(), PLAIN)
+        local = engine.generate(prompt, greedy(), "local", 3)
+        remote = engine.generate(prompt, greedy(), "remote", 3)
+        assert remote.token_ids == plain.token_ids
+        assert [s.num_tree_nodes for s in remote.steps] == [s.num_tree_nodes for s in local.steps]
+        assert remote.accepted_per_position == local.accepted_per_position
+        assert max(s.num_tree_nodes for s in remote.steps) > 3
 
 
 def test_remote_sampled_output_follows_target_distribution(

@@ -98,11 +98,20 @@ class DrafterDeploymentConfig(_Strict):
     timeout_s: float = Field(10.0, gt=0, description="a draft call slower than this counts as a drafter error")
 
 
+class TreeConfig(_Strict):
+    """Draft a tree rather than a chain (workers/tree.py, EAGLE-2's dynamic tree): k stays the
+    depth; every node is verified in the step's one target forward."""
+
+    topk: int = Field(4, ge=1, le=16, description="children per expanded node, and nodes expanded per depth")
+    nodes: int = Field(12, ge=1, le=64, description="draft tokens verified per step (the most likely nodes)")
+
+
 class ModelDrafterConfig(_Strict):
     kind: Literal["model"] = "model"
     name: str = "model"
     model: ModelConfig = Field(description="the small causal LM; must share the target's vocabulary")
     draft_len: int = Field(4, ge=1, description="static k when the policy does not choose one")
+    tree: TreeConfig | None = Field(None, description="draft a tree of candidates (null: a chain)")
     deployment: DrafterDeploymentConfig | None = Field(
         None, description="serve this drafter as its own deployment (null: inside each target replica)")
 
@@ -123,6 +132,7 @@ class EagleDrafterConfig(_CheckpointDrafterConfig):
     kind: Literal["eagle"] = "eagle"
     name: str = "eagle"
     draft_len: int = Field(4, ge=1, description="static k when the policy does not choose one")
+    tree: TreeConfig | None = Field(None, description="draft a tree of candidates (null: a chain)")
 
 
 class MedusaDrafterConfig(_CheckpointDrafterConfig):
@@ -131,6 +141,7 @@ class MedusaDrafterConfig(_CheckpointDrafterConfig):
     kind: Literal["medusa"] = "medusa"
     name: str = "medusa"
     draft_len: int = Field(3, ge=1, description="static k when the policy does not choose one (at most the heads)")
+    tree: TreeConfig | None = Field(None, description="draft a tree of candidates (null: a chain)")
 
 
 DrafterConfig = Annotated[

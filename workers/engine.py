@@ -3,8 +3,11 @@
 One step: the drafter proposes k tokens; the target runs one forward over [last token + draft];
 verification keeps the agreed prefix plus one recovered or bonus token; the target's KV cache is
 rolled back to the kept prefix; the drafter is told what was kept. Plain decoding is the same
-step with k = 0. A request is a `Generation`; its caller chooses drafter and k before every
-step, so a policy can adapt them mid-request and a server can interleave requests step by step.
+step with k = 0. A drafter may propose a tree of candidates instead (workers/tree.py): the one
+forward runs every node, verification follows the path the target takes, and the cache keeps
+that path, moved to where a chain would have left it. A request is a `Generation`; its caller
+chooses drafter and k before every step, so a policy can adapt them mid-request and a server can
+interleave requests step by step.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from workers.drafters.registry import build_drafters
 from workers.drafters.remote import DraftService
 from workers.sampling import SamplingParams, make_generator, probs_from_logits
 from workers.target import LoadedModel, load_model
-from workers.verify import VerifyResult, verify_greedy, verify_sampled
+from workers.tree import DraftTree
+from workers.verify import VerifyResult, verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,7 +47,7 @@ class RequestError(ValueError):
 class StepStats:
     drafter: str  # PLAIN for a step that asked no drafter (a drafter may still propose nothing)
     draft_len: int  # k asked for (after clipping to the token budget)
-    num_draft_tokens: int  # k' the drafter proposed
+    num_draft_tokens: int  # k' the drafter proposed (a tree: its depth, the positions drafted)
     num_accepted: int
     num_emitted: int  # tokens appended after EOS / stop / max_tokens trimming
     draft_s: float
@@ -51,6 +55,7 @@ class StepStats:
     context_len: int  # tokens before the step
     fallback_reason: str | None = None
     shadows: tuple[ShadowScore, ...] = ()  # counterfactual scores resolved by this step
+    num_tree_nodes: int = 0  # a tree draft's tokens, all verified in the step (0: a chain)
 
 
 @dataclass(frozen=True)
@@ -203,22 +208,32 @@ class Generation:
             if draft is None:
                 drafter, fallback = PLAIN, "drafter_error"
         draft_ids = draft.token_ids.to(self.device) if draft is not None else self._no_draft
+        tree = draft.tree if draft is not None else None
+        if tree is not None and len(tree) >= (room := self.cache.capacity - self.cache.length):
+            tree, draft_ids = tree.prefix(room - 1), draft_ids[: room - 1]  # near max_tokens: what fits
         t1 = time.perf_counter()
         start = self.cache.length
-        out = self.model.forward(torch.cat([self._last_token(), draft_ids]), self.cache, return_hidden=self.with_hidden)
-        result = self._verify(out.logits, draft_ids, draft.probs if draft is not None else None)
-        self.cache.truncate(start + 1 + result.num_accepted)  # keep [last + accepted]
+        out = self.model.forward(torch.cat([self._last_token(), draft_ids]), self.cache,
+                                 return_hidden=self.with_hidden, tree=tree)
+        result = self._verify(out.logits, draft_ids, draft.probs if draft is not None else None, tree)
+        if tree is None:
+            self.cache.truncate(start + 1 + result.num_accepted)  # keep [last + accepted]
+            kept = slice(0, result.num_accepted + 1)
+        else:  # keep [root + accepted path], moved together
+            kept = [0, *(1 + i for i in result.path)]
+            self.cache.keep(start, kept)
         if out.hidden is not None:  # the kept inputs' features: positions context_len - 1 onwards
-            kept = result.num_accepted + 1
-            self.ctx.features[context_len - 1 : context_len - 1 + kept] = out.hidden[:kept]
+            self.ctx.features[context_len - 1 : context_len + result.num_accepted] = out.hidden[kept]
         t2 = time.perf_counter()
 
         num_emitted = self._emit(result.token_ids)
         if drafter != PLAIN:
             self._guard(drafter, lambda impl, state: impl.commit(state, self.ctx, num_emitted, result.num_accepted))
         stats = StepStats(
-            drafter=drafter, draft_len=k, num_draft_tokens=int(draft_ids.shape[0]),
+            drafter=drafter, draft_len=k,
+            num_draft_tokens=tree.depth if tree is not None else int(draft_ids.shape[0]),
             num_accepted=result.num_accepted, num_emitted=num_emitted,
+            num_tree_nodes=len(tree) if tree is not None else 0,
             draft_s=t1 - t0, verify_s=t2 - t1, context_len=context_len, fallback_reason=fallback,
             shadows=self._resolve_shadows(),
         )
@@ -277,7 +292,7 @@ class Generation:
         max_draft_len: what lies past k is scored like a shadow."""
         ask = self.engine.config.max_draft_len if name in shadow else k
         draft = self._guard(name, lambda impl, state: impl.propose(state, self.ctx, ask))
-        if draft is not None and ask > k:
+        if draft is not None and ask > k and draft.tree is None:
             proposal = draft.token_ids.tolist()
             if len(proposal) > k:
                 self._pending.append(_PendingShadow(name, context_len, k, proposal))
@@ -326,10 +341,14 @@ class Generation:
                     log.exception("drafter %r failed to release its state", drafter)
             return None
 
-    def _verify(self, logits: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> VerifyResult:
+    def _verify(
+        self, logits: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, tree: DraftTree | None,
+    ) -> VerifyResult:
         if self.params.greedy:
-            return verify_greedy(logits, draft_ids)
+            return verify_greedy(logits, draft_ids) if tree is None else verify_tree_greedy(logits, draft_ids, tree)
         probs = probs_from_logits(logits, self.params)
+        if tree is not None:
+            return verify_tree_sampled(probs, draft_ids, tree, self.ctx.generator)
         return verify_sampled(probs, draft_ids, draft_probs, self.ctx.generator)
 
     def _emit(self, token_ids: list[int]) -> int:

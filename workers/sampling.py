@@ -60,6 +60,14 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return logits.softmax(dim=-1)
 
 
+def log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[n, vocab] log-probabilities a drafter ranks its candidates by: the raw model's when
+    decoding greedily, else those of the distribution sampled from (-inf where it has no mass)."""
+    if params.greedy:
+        return torch.log_softmax(logits.float(), dim=-1)
+    return probs_from_logits(logits, params).log()
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A request's own random stream: seeded when asked, otherwise from fresh entropy."""
     gen = torch.Generator(device=device)

@@ -11,6 +11,14 @@ Every step therefore emits num_accepted + 1 tokens. k = 0 is plain decoding.
 Rejection sampling follows Leviathan et al. 2023 / Chen et al. 2023: accept draft token x with
 probability min(1, p(x) / q(x)). A deterministic drafter (probs=None) proposes with q one-hot on
 x, so acceptance is p(x) and the residual is p with x removed.
+
+A draft tree (workers/tree.py) is verified from the root down: at each node the target's token
+is chosen among the node's children, and the step follows the child chosen. Greedy: the child
+equal to the target's argmax. Sampled (SpecInfer's multi-candidate rejection sampling, with
+deterministic candidates): child c is accepted with probability r(c) / sum(r), where r starts as
+the target's p at the node and each rejected child is removed from it; when every child is
+rejected the token is drawn from what is left of r. That is exactly a draw from p, so the output
+stays target-distributed.
 """
 
 from __future__ import annotations
@@ -19,11 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.tree import DraftTree
+
 
 @dataclass(frozen=True)
 class VerifyResult:
     num_accepted: int
     token_ids: list[int]  # the accepted draft tokens, then one recovered or bonus token
+    path: tuple[int, ...] = ()  # a tree's accepted nodes, root first (a chain: unused)
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_ids: torch.Tensor) -> VerifyResult:
@@ -62,3 +73,42 @@ def verify_sampled(
     # multinomial normalises; a rejection implies p < q somewhere, so dist has mass
     last = torch.multinomial(dist, 1, generator=generator)
     return VerifyResult(num_accepted, draft_ids[:num_accepted].tolist() + [int(last)])
+
+
+def verify_tree_greedy(target_logits: torch.Tensor, draft_ids: torch.Tensor, tree: DraftTree) -> VerifyResult:
+    """target_logits: [n + 1, vocab], row 0 after the root, row i + 1 after node i; draft_ids: [n]."""
+    target_ids = target_logits.argmax(dim=-1).tolist()
+    draft = draft_ids.tolist()
+    path: list[int] = []
+    node = -1
+    while (nxt := next((c for c in tree.children(node) if draft[c] == target_ids[node + 1]), None)) is not None:
+        path.append(nxt)
+        node = nxt
+    return VerifyResult(len(path), [draft[i] for i in path] + [target_ids[node + 1]], tuple(path))
+
+
+def verify_tree_sampled(
+    target_probs: torch.Tensor, draft_ids: torch.Tensor, tree: DraftTree, generator: torch.Generator,
+) -> VerifyResult:
+    """target_probs: [n + 1, vocab] with the request's sampling settings applied, rows as in
+    verify_tree_greedy; the tree's candidates are deterministic (no drafter probabilities)."""
+    draft = draft_ids.tolist()
+    path: list[int] = []
+    node = -1
+    while True:
+        residual = target_probs[node + 1].clone()
+        children = tree.children(node)
+        u = torch.rand(len(children), generator=generator, device=target_probs.device).tolist()
+        chosen = None
+        for child, u_c in zip(children, u):
+            total = float(residual.sum())
+            mass = float(residual[draft[child]])
+            if u_c * total < mass:
+                chosen = child
+                break
+            residual[draft[child]] = 0
+        if chosen is None:
+            last = int(torch.multinomial(residual, 1, generator=generator))
+            return VerifyResult(len(path), [draft[i] for i in path] + [last], tuple(path))
+        path.append(chosen)
+        node = chosen

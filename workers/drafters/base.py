@@ -13,12 +13,16 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from workers.sampling import SamplingParams
+from workers.tree import DraftTree
 
 
 @dataclass
 class Draft:
     token_ids: torch.Tensor  # [k'] int64, k' <= k (a drafter may propose fewer, even none)
     probs: torch.Tensor | None = None  # [k', vocab] proposal distribution; None = deterministic
+    # token_ids are the nodes of this tree, k' its depth (workers/tree.py); None: a chain. A tree's
+    # candidates are deterministic (probs None)
+    tree: DraftTree | None = None
 
 
 @dataclass

@@ -27,7 +27,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from workers.drafters.base import Draft, DraftContext, full_vocab_probs
-from workers.sampling import probs_from_logits
+from workers.sampling import log_probs, probs_from_logits
+from workers.tree import TreeGrowth, grow_tree
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.safetensors")
 
@@ -110,16 +111,20 @@ class EagleLayer(nn.Module):
         h = self.post_attention_layernorm(x)
         return x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: EagleCache | None) -> torch.Tensor:
-        """x: [B, T, h]; cos, sin: [T, d]."""
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: EagleCache | None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: [B, T, h]; cos, sin: [T, d]; mask: [T, cached + T] what each new row sees (a draft
+        tree's), else causal."""
         t = x.shape[1]
         q, k, v = self.qkv(x, cos, sin)
-        mask, causal = None, t > 1
+        causal = t > 1 and mask is None
         if cache is not None:  # batch 1: append, attend over everything cached
             start = cache.length
             k, v = cache.append(k[0], v[0])
             k, v = k[None], v[None]
-            if start > 0 and t > 1:
+            if start > 0 and causal:
                 end = start + t
                 mask = torch.arange(end, device=x.device) <= torch.arange(start, end, device=x.device)[:, None]
                 causal = False
@@ -134,8 +139,10 @@ class EagleCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + k.shape[1]
-        if end > self.k.shape[1]:
-            raise ValueError(f"EAGLE cache overflow: {end} > {self.k.shape[1]}")
+        if end > self.k.shape[1]:  # a draft tree's rows past the request's end: grow
+            more = end - self.k.shape[1] + 64
+            self.k = torch.cat([self.k, self.k.new_empty(self.k.shape[0], more, self.k.shape[2])], dim=1)
+            self.v = torch.cat([self.v, self.v.new_empty(self.v.shape[0], more, self.v.shape[2])], dim=1)
         self.k[:, self.length : end] = k
         self.v[:, self.length : end] = v
         self.length = end
@@ -158,12 +165,12 @@ class EagleNet(nn.Module):
 
     def forward(
         self, embeds: torch.Tensor, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        cache: EagleCache | None = None,
+        cache: EagleCache | None = None, mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Predicted next features [B, T, h] from embed(x_{t+1}) and f_t, both [B, T, h]."""
         x = self.fc(torch.cat((embeds, features), dim=-1))
         for layer in self.layers:
-            x = layer(x, cos, sin, cache)
+            x = layer(x, cos, sin, cache, mask)
         return x
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -257,6 +264,8 @@ class EagleDrafter:
         feature = state.last_feature
         if feature is None:  # a one-token prompt: no feature yet to draft from
             return Draft(torch.empty(0, dtype=torch.long))
+        if self.config.tree is not None:
+            return self._propose_tree(state, ctx, feature, k)
         drafted: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
@@ -272,6 +281,30 @@ class EagleDrafter:
             if i < k - 1:  # feed (predicted feature, drafted token): predicts the next feature
                 feature = self._run(state, torch.tensor([token], device=self.embed.device), feature[None])
         return Draft(torch.tensor(drafted, dtype=torch.long), torch.cat(probs) if probs else None)
+
+    def _propose_tree(self, state: EagleState, ctx: DraftContext, root_feature: torch.Tensor, k: int) -> Draft:
+        """A dynamic draft tree of depth k (workers/tree.py). Each expanded node runs the layer on
+        (its parent's predicted feature, its token) at the position of its depth, seeing the
+        true pairs and its own ancestors' rows in the cache, as a chain through it would."""
+        cache, device = state.cache, self.embed.device
+        feature_of: dict[int, torch.Tensor] = {-1: root_feature}  # expanded node -> predicted feature
+
+        def token(row: int) -> int:
+            return int(self.vocab_ids[row]) if self.vocab_ids is not None else row
+
+        def expand(growth: TreeGrowth, nodes: list[int]) -> torch.Tensor:
+            positions, mask = growth.level_inputs(nodes, state.num_pairs, cache.length, device)
+            tokens = torch.tensor([token(growth.row[n]) for n in nodes], device=device)
+            inputs = torch.stack([feature_of[growth.parent[n]] for n in nodes])
+            out = self.net(self.embed[tokens][None], inputs[None], self.cos[positions], self.sin[positions],
+                           cache, mask)[0]
+            feature_of.update(zip(nodes, out))
+            return log_probs(out @ self.head_t, ctx.params)
+
+        tree = self.config.tree
+        root = log_probs(root_feature[None] @ self.head_t, ctx.params)[0]
+        rows, shape = grow_tree(root, expand, k, tree.topk, tree.nodes)
+        return Draft(torch.tensor([token(r) for r in rows], dtype=torch.long), tree=shape)
 
     def commit(self, state: EagleState, ctx: DraftContext, num_new: int, num_accepted: int) -> None:
         # drafted pairs carried predicted features: drop them all; true ones are fed next time

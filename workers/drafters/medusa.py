@@ -27,7 +27,8 @@ from torch import nn
 
 from workers.drafters.base import Draft, DraftContext, full_vocab_probs
 from workers.drafters.eagle import CheckpointError
-from workers.sampling import probs_from_logits
+from workers.sampling import log_probs, probs_from_logits
+from workers.tree import grow_tree
 
 WEIGHT_FILE = "medusa_lm_head.safetensors"
 
@@ -156,6 +157,14 @@ class MedusaDrafter:
             return Draft(torch.empty(0, dtype=torch.long, device=ctx.features.device))
         out = self.heads(ctx.features[p][None])[:k, 0]  # [k, h] or [k, vocab]
         logits = out @ self.head_t if self.head_t is not None else out
+        if (tree := self.config.tree) is not None:
+            # head d scores every node at depth d + 1, whatever its parent: Medusa's candidate tree
+            lp = log_probs(logits, ctx.params)
+            rows_list, shape = grow_tree(lp[0], lambda g, nodes: lp[[g.depth[n] for n in nodes]], k, tree.topk,
+                                         tree.nodes)
+            rows = torch.tensor(rows_list, dtype=torch.long, device=logits.device)
+            token_ids = self.vocab_ids[rows] if self.vocab_ids is not None else rows
+            return Draft(token_ids, tree=shape)
         if ctx.params.greedy:
             rows, probs = logits.argmax(-1), None
         else:

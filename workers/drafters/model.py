@@ -12,10 +12,11 @@ from typing import ClassVar
 
 import torch
 
-from workers.config import ModelDrafterConfig
+from workers.config import MAX_DRAFT_LEN, ModelDrafterConfig
 from workers.drafters.base import Draft, DraftContext, full_vocab_probs
 from workers.models.base import CausalLM, KVCache
-from workers.sampling import probs_from_logits
+from workers.sampling import log_probs, probs_from_logits
+from workers.tree import TreeGrowth, grow_tree
 
 
 @dataclass
@@ -36,14 +37,18 @@ class ModelDrafter:
         self.vocab_ids = None if vocab_ids is None else vocab_ids.to(model.device)
 
     def begin(self, ctx: DraftContext) -> ModelDraftState:
-        # drafts stay inside the request's token budget, so its length bounds the cache too
-        return ModelDraftState(cache=self.model.new_cache(ctx.max_len))
+        # drafts stay inside the request's token budget, so its length bounds the cache too; a
+        # tree's levels take up to topk rows per depth past the context
+        extra = self.config.tree.topk * MAX_DRAFT_LEN if self.config.tree is not None else 0
+        return ModelDraftState(cache=self.model.new_cache(min(ctx.max_len + extra, self.model.info.max_position)))
 
     def propose(self, state: ModelDraftState, ctx: DraftContext, k: int) -> Draft:
         device = self.model.device
         pending = torch.tensor(ctx.token_ids[state.num_cached :], dtype=torch.long, device=device)
         logits = self.model.forward(pending, state.cache, last_only=True).logits  # [1, vocab]
         state.num_cached = len(ctx.token_ids)
+        if self.config.tree is not None:
+            return self._propose_tree(state, ctx, logits[-1], k)
         token_ids: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
@@ -61,6 +66,28 @@ class ModelDrafter:
         if not token_ids:
             return Draft(torch.empty(0, dtype=torch.long, device=device))
         return Draft(torch.cat(token_ids), torch.cat(probs) if probs else None)
+
+    def _propose_tree(self, state: ModelDraftState, ctx: DraftContext, root_logits: torch.Tensor, k: int) -> Draft:
+        """A dynamic draft tree of depth k (workers/tree.py): each level's expanded nodes run in
+        one forward, each at the position of its depth, seeing the context and its ancestors.
+        Their cache rows are dropped at commit (the accepted tokens are fed again next time)."""
+        device, cache = self.model.device, state.cache
+
+        def token(row: int) -> int:
+            return int(self.vocab_ids[row]) if self.vocab_ids is not None else row
+
+        def expand(growth: TreeGrowth, nodes: list[int]) -> torch.Tensor:
+            positions, mask = growth.level_inputs(nodes, state.num_cached, cache.length, device)
+            tokens = torch.tensor([token(growth.row[n]) for n in nodes], device=device)
+            logits = self.model.forward(tokens, cache, positions=positions, mask=mask).logits  # type: ignore[call-arg]
+            return log_probs(logits, ctx.params)
+
+        tree = self.config.tree
+        assert tree is not None
+        k = min(k, 1 + (cache.capacity - cache.length) // tree.topk)  # the levels must fit in the cache
+        rows, shape = grow_tree(log_probs(root_logits[None], ctx.params)[0], expand, k, tree.topk, tree.nodes)
+        state.num_draft_cached = 0
+        return Draft(torch.tensor([token(r) for r in rows], dtype=torch.long, device=device), tree=shape)
 
     def commit(self, state: ModelDraftState, ctx: DraftContext, num_new: int, num_accepted: int) -> None:
         # cached drafts stay valid up to the first rejected one

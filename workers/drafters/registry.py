@@ -44,6 +44,9 @@ def build_model_drafter(
         loaded = load_model(config.model, embeddings)
     except ModelLoadError as e:
         raise ModelLoadError(f"drafter {config.name!r}: {e}") from None
+    if config.tree is not None and not isinstance(loaded.model, FastLlama):
+        raise ModelLoadError(f"drafter {config.name!r}: draft trees need the fast Llama backend for the drafter's "
+                             "model (model.backend: fast or auto)")
     if vocab_size is not None and loaded.model.info.vocab_size != vocab_size:
         raise ModelLoadError(
             f"drafter {config.name!r}: vocabulary size {loaded.model.info.vocab_size} does not "
@@ -78,6 +81,9 @@ def _build_medusa_drafter(config: MedusaDrafterConfig, target: LoadedModel) -> M
 
 def build_drafter(config: DrafterConfig, target: LoadedModel, service: DraftService | None = None) -> Drafter:
     """`service`: where a drafter with its own deployment runs (None: build it here, colocated)."""
+    if getattr(config, "tree", None) is not None and not target.model.supports_tree:
+        raise ModelLoadError(f"drafter {config.name!r}: draft trees need the fast Llama backend "
+                             "(target backend: fast or auto)")
     if isinstance(config, NgramDrafterConfig):
         return NgramDrafter(config)
     if isinstance(config, ModelDrafterConfig):

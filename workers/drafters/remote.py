@@ -21,6 +21,7 @@ import torch
 
 from workers.drafters.base import Draft, DraftContext, Drafter
 from workers.sampling import SamplingParams
+from workers.tree import DraftTree
 
 MAX_SESSIONS = 1024  # per drafter replica; a session whose `end` was lost is evicted, oldest first
 
@@ -44,6 +45,7 @@ class DraftReply:
     token_ids: list[int]
     probs: torch.Tensor | None  # [k', vocab] on the CPU; None for a deterministic (greedy) proposal
     restarted: bool  # the replica had to start the session from the token ids
+    parents: tuple[int, ...] | None = None  # a draft tree's shape (workers/tree.py); None: a chain
 
 
 class DraftService(Protocol):
@@ -82,7 +84,7 @@ class RemoteDrafter:
         state.seq += 1
         state.commit = None
         ids = torch.tensor(reply.token_ids, dtype=torch.long)
-        return Draft(ids, reply.probs)
+        return Draft(ids, reply.probs, None if reply.parents is None else DraftTree(reply.parents))
 
     def commit(self, state: RemoteState, ctx: DraftContext, num_new: int, num_accepted: int) -> None:
         state.commit = (num_new, num_accepted)  # travels with the next draft call
@@ -127,7 +129,8 @@ class DraftSessions:
         self.sessions.move_to_end(call.session)
         draft = self.drafter.propose(session.state, session.ctx, call.k)
         probs = None if draft.probs is None else draft.probs.float().cpu()
-        return DraftReply(draft.token_ids.cpu().tolist(), probs, restarted=not continues and call.seq > 0)
+        return DraftReply(draft.token_ids.cpu().tolist(), probs, restarted=not continues and call.seq > 0,
+                          parents=None if draft.tree is None else draft.tree.parents)
 
     def end(self, session_id: str) -> None:
         session = self.sessions.pop(session_id, None)

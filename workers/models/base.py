@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from workers.tree import DraftTree
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -45,6 +47,7 @@ class KVCache(Protocol):
 class CausalLM(Protocol):
     info: ModelInfo
     device: torch.device
+    supports_tree: bool  # forward takes a draft tree (workers/tree.py) and its cache has keep()
 
     def new_cache(self, capacity: int) -> KVCache: ...
 
@@ -55,6 +58,8 @@ class CausalLM(Protocol):
         *,
         last_only: bool = False,
         return_hidden: bool = False,
+        tree: DraftTree | None = None,
     ) -> ForwardOutput:
-        """Run n new tokens at positions cache.length .. cache.length + n - 1."""
+        """Run n new tokens at positions cache.length .. cache.length + n - 1 (a tree: the root
+        and its nodes, each at the position of its depth; only where supports_tree)."""
         ...

@@ -6,6 +6,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from workers.models.base import ForwardOutput, ModelInfo
+from workers.tree import DraftTree
 
 
 class HFKVCache:
@@ -29,6 +30,8 @@ class HFKVCache:
 
 
 class HFCausalLM:
+    supports_tree = False  # draft trees need SpecRoute's fast Llama (workers/models/llama.py)
+
     def __init__(self, hf_model: PreTrainedModel, eos_token_ids: frozenset[int]) -> None:
         self.model = hf_model.eval()
         self.device = next(hf_model.parameters()).device
@@ -51,7 +54,10 @@ class HFCausalLM:
         *,
         last_only: bool = False,
         return_hidden: bool = False,
+        tree: DraftTree | None = None,
     ) -> ForwardOutput:
+        if tree is not None:
+            raise NotImplementedError("draft trees need the fast Llama backend")
         n = input_ids.shape[0]
         if cache.length + n > cache.capacity:
             raise ValueError(f"{cache.length + n} positions exceed the cache capacity {cache.capacity}")

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from workers.models.base import ForwardOutput, ModelInfo
+from workers.tree import DraftTree
 
 # rope types whose frequencies depend on the sequence length are left to transformers
 _STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
@@ -58,6 +59,17 @@ class StaticKVCache:
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a cache of length {self._length} to {length}")
         self._length = length  # stale entries past length are never read: attention slices :end
+
+    def keep(self, start: int, indices: list[int]) -> None:
+        """Keep the entries at start + indices (ascending), moved to start, start + 1, ...: a draft
+        tree's accepted path becomes the contiguous sequence a chain would have left."""
+        src = torch.tensor(indices, device=self.k.device) + start
+        end = start + len(indices)
+        if end > self._length or (len(indices) and int(src[-1]) >= self._length):
+            raise ValueError(f"cannot keep {indices} after {start} in a cache of length {self._length}")
+        self.k[:, :, start:end] = self.k[:, :, src]
+        self.v[:, :, start:end] = self.v[:, :, src]
+        self._length = end
 
 
 @dataclass
@@ -157,6 +169,8 @@ class Linear:
 
 
 class FastLlama:
+    supports_tree = True
+
     def __init__(
         self, hf_model: PreTrainedModel, eos_token_ids: frozenset[int], head_rows: torch.Tensor | None = None,
     ) -> None:
@@ -218,19 +232,34 @@ class FastLlama:
         *,
         last_only: bool = False,
         return_hidden: bool = False,
+        tree: DraftTree | None = None,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> ForwardOutput:
+        """`tree`: the inputs are a step's root and the nodes of a draft tree (workers/tree.py):
+        each sits at the position of its depth and sees the cache and its own ancestors.
+        `positions` [n] and `mask` [n, cache.length + n] place the inputs and say which keys each
+        sees in general (a drafter growing a tree level by level); default: causal after the cache."""
         n = input_ids.shape[0]
         start, end = cache.length, cache.length + n
         if end > cache.capacity:
             raise ValueError(f"{end} positions exceed the cache capacity {cache.capacity}")
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        cos, sin = self.cos[start:end, None], self.sin_signed[start:end, None]  # [n, 1, d]
+        if tree is not None:
+            if len(tree) + 1 != n:
+                raise ValueError(f"a tree of {len(tree)} nodes needs {len(tree) + 1} inputs, got {n}")
+            positions = start + tree.input_offsets(self.device)
+            mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=self.device),
+                              tree.input_mask(self.device)], dim=1)
+        if positions is not None:
+            cos, sin = self.cos[positions, None], self.sin_signed[positions, None]
+        else:
+            cos, sin = self.cos[start:end, None], self.sin_signed[start:end, None]  # [n, 1, d]
         # new token i may see keys 0 .. start + i: plain causal on an empty cache (SDPA's fast
         # path), an explicit mask when a draft follows cached tokens, none for a single token
-        mask = None
-        if n > 1 and start > 0:
+        if mask is None and n > 1 and start > 0:
             mask = torch.arange(end, device=self.device) <= torch.arange(start, end, device=self.device)[:, None]
-        causal = n > 1 and start == 0
+        causal = n > 1 and mask is None
 
         x = self.embed[input_ids]  # [n, hidden]
         for i, layer in enumerate(self.layers):
