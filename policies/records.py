@@ -43,6 +43,7 @@ class StepLike(Protocol):
     draft_s: float
     verify_s: float
     context_len: int
+    num_tree_nodes: int
 
 
 class ShadowLike(Protocol):
@@ -64,16 +65,22 @@ class StepRecord:
     domain: str
     drafter: str  # PLAIN for a step that asked no drafter
     draft_len: int  # k asked for
-    num_draft_tokens: int  # k' proposed: 0 <= k'
+    num_draft_tokens: int  # k' proposed: 0 <= k' (a draft tree: its depth, the positions drafted)
     num_accepted: int  # 0 <= accepted <= k'
     draft_s: float
     verify_s: float
     context_len: int  # tokens before the step
     num_emitted: int = -1  # tokens the step appended; -1: num_accepted + 1 (the usual case)
+    # draft tokens the verify forward ran, the key of its cost sample; -1: k' (a chain); a tree's nodes
+    num_verified: int = -1
 
     def __post_init__(self) -> None:
         if self.num_emitted == -1:
             object.__setattr__(self, "num_emitted", self.num_accepted + 1)
+        if self.num_verified == -1:
+            object.__setattr__(self, "num_verified", self.num_draft_tokens)
+        if self.num_verified < self.num_draft_tokens:
+            raise ValueError(f"need num_verified >= num_draft_tokens, got {self.num_verified}, {self.num_draft_tokens}")
         if not 0 <= self.num_emitted <= self.num_accepted + 1:
             raise ValueError(f"need 0 <= num_emitted <= num_accepted + 1, got {self.num_emitted}")
         if not 0 <= self.num_accepted <= self.num_draft_tokens:
@@ -97,7 +104,7 @@ class StepRecord:
             domain=domain, drafter=step.drafter, draft_len=step.draft_len,
             num_draft_tokens=step.num_draft_tokens, num_accepted=step.num_accepted,
             draft_s=step.draft_s, verify_s=step.verify_s, context_len=step.context_len,
-            num_emitted=step.num_emitted,
+            num_emitted=step.num_emitted, num_verified=step.num_tree_nodes or step.num_draft_tokens,
         )
 
 

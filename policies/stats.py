@@ -10,7 +10,7 @@ window is the sum of its buckets. Buckets older than the retention are dropped (
                                     |emitted|s (tokens appended, step seconds)
     s|<domain>|<drafter>|<ctx>|steps|drafts|drafted.<i>|accepted.<i>   counterfactual (shadow) scores
     c|draft|<drafter>|<ctx>|s|n     draft seconds and draft tokens of a drafter
-    c|verify|<k>|<ctx>|s|n          verify seconds and steps with k >= 1 draft tokens
+    c|verify|<k>|<ctx>|s|n          verify seconds and steps with k >= 1 draft tokens verified (a tree: its nodes)
     c|plain||<ctx>|s|n              seconds and count of steps with no draft token
     r|<domain>|<drafter>|<reason>|n routing decisions (one per request)
     f|<domain>||<reason>|n          fallbacks to plain decoding
@@ -127,10 +127,12 @@ def _step_fields(step: StepRecord) -> dict[str, int | float]:
         out.update({a + "drafts": 1, a + "draft_tokens": k, a + "accepted_tokens": num_accepted})
         out.update({f"{a}drafted.{i}": 1 for i in range(k)})
         out.update({f"{a}accepted.{i}": 1 for i in range(num_accepted)})
-        out.update({f"c|verify|{k}|{ctx}|s": step.verify_s, f"c|verify|{k}|{ctx}|n": 1})
+        # the cost curve is T(1 + tokens verified): a draft tree's sample goes under its node count
+        v = step.num_verified
+        out.update({f"c|verify|{v}|{ctx}|s": step.verify_s, f"c|verify|{v}|{ctx}|n": 1})
     else:
         out.update({f"c|plain||{ctx}|s": step.verify_s, f"c|plain||{ctx}|n": 1})
-    out.update(_observe("verify", str(k), step.verify_s))
+    out.update(_observe("verify", str(step.num_verified), step.verify_s))
     if step.drafter != PLAIN:
         # time spent asking counts even when nothing was proposed: it is the drafter's real cost
         c = f"c|draft|{_name(step.drafter)}|{ctx}|"

@@ -9,7 +9,7 @@ import signal
 import threading
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -184,6 +184,20 @@ def test_cost_means(backend: Backend) -> None:
     assert snap.mean_draft_s_per_token("eagle") == 0.0625
     assert snap.mean_draft_s_per_token(PLAIN) is None
     assert snap.verify_s(4).count == 2 and snap.plain_step_s().count == 2
+
+
+def test_a_tree_steps_verify_cost_counts_under_its_node_count(backend: Backend) -> None:
+    """A draft tree of depth 2 with 9 nodes runs 1 + 9 tokens: its cost sample must not make a
+    chain of 2 look that expensive; its acceptance still counts per position (depth)."""
+    store = backend.new()
+    tree = replace(step(k=2, accepted=2, verify_s=0.75), num_verified=9)
+    store.record_many([tree, step(k=2, accepted=0, verify_s=0.25)])
+    snap = store.snapshot()
+    assert snap.mean_verify_s(9) == 0.75 and snap.mean_verify_s(2) == 0.25
+    counts = snap.counts("code", "ngram")
+    assert counts.num_draft_tokens == 4 and counts.accepted_per_position == (1, 1)
+    with pytest.raises(ValueError, match="num_verified"):
+        replace(tree, num_verified=1)
 
 
 def test_context_buckets(backend: Backend) -> None:
