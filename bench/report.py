@@ -132,13 +132,13 @@ def plot_speedup(results: dict, path: Path) -> Path:
     summary = results["summary"]
     categories = list(summary)
     methods = list(dict.fromkeys(m for c in categories for m in summary[c]))
-    fig = Figure(figsize=(max(7.0, 0.4 * len(categories) * len(methods) + 2.0), 4), layout="constrained")
+    fig = Figure(figsize=(min(18.0, max(7.0, 0.4 * len(categories) * len(methods) + 2.0)), 4), layout="constrained")
     ax = fig.add_subplot()
     width = 0.8 / len(methods)
     for j, method in enumerate(methods):
         xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(categories))]
         ys = [summary[c].get(method, {}).get("speedup") or 0.0 for c in categories]
-        ax.bar(xs, ys, width, label=method)
+        ax.bar(xs, ys, width, label=method, hatch=(None, "//", "..")[j // 10 % 3])  # 10 colours, then hatched
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")  # plain decoding
     ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
     ax.set_ylabel("speedup over plain (wall time)")
@@ -170,8 +170,8 @@ def plot_acceptance(results: dict, path: Path) -> Path | None:
         return None
     fig = Figure(figsize=(6, 4), layout="constrained")
     ax = fig.add_subplot()
-    for method, rates in curves.items():
-        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=method)
+    for i, (method, rates) in enumerate(curves.items()):  # the colour cycle has 10: then a new line style
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", linestyle=("-", "--", ":")[i // 10 % 3], label=method)
     ax.set_xlabel("draft position")
     ax.set_ylabel("accepted / drafted at this position")
     ax.set_ylim(0, 1.05)
