@@ -45,17 +45,32 @@ def expected_tokens(prefix: Sequence[float], k: int) -> float:
 @dataclass(frozen=True)
 class StepCosts:
     plain_s: float  # one plain decoding step (k = 0)
-    draft_s_per_token: float  # the drafter's cost per proposed token
-    verify_s: Sequence[float]  # verify_s[k]: one target forward over 1 + k tokens; [0] == plain_s
+    draft_s_per_token: float  # the drafter's cost per proposed token (per position, for a tree)
+    verify_s: Sequence[float]  # verify_s[n]: one target forward over 1 + n tokens; [0] == plain_s
     # how often the drafter proposes anything: a step it leaves empty (prompt lookup without a
     # match) verifies nothing and costs a plain step
     propose_rate: float = 1.0
+    # a draft tree's tokens verified at each depth k (verified[k] >= k); None: a chain verifies k
+    verified: Sequence[int] | None = None
+
+    @property
+    def max_k(self) -> int:
+        return len(self.verified) - 1 if self.verified is not None else len(self.verify_s) - 1
+
+    def verify_cost(self, n: int) -> float:
+        """One forward over 1 + n tokens; past the measured curve, extended along its last slope."""
+        last = len(self.verify_s) - 1
+        if n <= last:
+            return self.verify_s[n]
+        slope = self.verify_s[last] - self.verify_s[last - 1] if last else 0.0
+        return self.verify_s[last] + (n - last) * slope
 
     def step_s(self, k: int) -> float:
-        if k >= len(self.verify_s):
-            raise ValueError(f"no verify cost for k = {k} (known up to {len(self.verify_s) - 1})")
+        if not 0 <= k <= self.max_k:
+            raise ValueError(f"no verify cost for k = {k} (known up to {self.max_k})")
         m = self.propose_rate
-        return k * self.draft_s_per_token + m * self.verify_s[k] + (1.0 - m) * self.verify_s[0]
+        n = self.verified[k] if self.verified is not None else k
+        return k * self.draft_s_per_token + m * self.verify_cost(n) + (1.0 - m) * self.verify_s[0]
 
 
 @dataclass(frozen=True)
@@ -92,7 +107,7 @@ def best_draft_len(prefix: Sequence[float], costs: StepCosts, k_min: int, k_max:
                    load: RoundLoad = ALONE) -> BestDraftLen:
     """The k in [k_min, k_max] with the highest predicted speedup; k = 0 (plain) when none beats 1."""
     best = BestDraftLen(0, 1.0)
-    for k in range(max(k_min, 1), min(k_max, len(costs.verify_s) - 1) + 1):
+    for k in range(max(k_min, 1), min(k_max, costs.max_k) + 1):
         speedup = predicted_speedup(prefix, k, costs, load)
         if speedup > best.speedup:
             best = BestDraftLen(k, speedup)

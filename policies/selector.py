@@ -45,11 +45,13 @@ DRAFTER_ERROR = "drafter_error"  # fallback reason: the drafter raised and the e
 
 @dataclass(frozen=True)
 class CostTable:
-    """Deployment-wide step costs: a plain step, verify by k (verify_s[0] = plain_s) and each
-    drafter's seconds per draft token (missing: 0, until measured)."""
+    """Deployment-wide step costs: a plain step, verify by the number of draft tokens verified
+    (verify_s[0] = plain_s) and each drafter's seconds per draft token (missing: 0, until
+    measured); a tree drafter's tokens verified at each depth (the engine's config says)."""
 
     verify_s: tuple[float, ...]
     draft_s_per_token: Mapping[str, float] = field(default_factory=dict)
+    tree_sizes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def plain_s(self) -> float:
@@ -61,7 +63,8 @@ class CostTable:
         return cls(tuple(1.0 + VERIFY_SLOPE * k for k in range(max_k + 1)))
 
     def for_drafter(self, drafter: str, propose_rate: float = 1.0) -> StepCosts:
-        return StepCosts(self.plain_s, self.draft_s_per_token.get(drafter, 0.0), self.verify_s, propose_rate)
+        return StepCosts(self.plain_s, self.draft_s_per_token.get(drafter, 0.0), self.verify_s, propose_rate,
+                         self.tree_sizes.get(drafter))
 
 
 def cost_table(snapshot: StatsSnapshot, bucket: str, prior: CostTable | None, drafters: Iterable[str]) -> CostTable:
@@ -87,7 +90,7 @@ def cost_table(snapshot: StatsSnapshot, bucket: str, prior: CostTable | None, dr
     for name in drafters:
         m = measured(lambda b, name=name: snapshot.draft_s_per_token(name, b))
         draft[name] = m if m is not None else prior.draft_s_per_token.get(name, 0.0) * scale
-    return CostTable(verify, draft)
+    return CostTable(verify, draft, prior.tree_sizes)
 
 
 # -- acceptance ----------------------------------------------------------------------------------

@@ -59,6 +59,20 @@ def test_unknown_verify_cost_is_an_error() -> None:
         COSTS.step_s(20)
 
 
+def test_a_tree_step_costs_the_tokens_it_verifies() -> None:
+    """A depth-2 tree of 12 nodes pays T(13), not T(3); past the measured curve, its last slope."""
+    tree = StepCosts(plain_s=0.04, draft_s_per_token=0.0, verify_s=COSTS.verify_s, verified=[0, 4, 12, 12])
+    assert tree.step_s(2) == pytest.approx(COSTS.verify_s[12]) and tree.max_k == 3
+    assert StepCosts(0.04, 0.0, COSTS.verify_s, verified=[0, 4, 30]).step_s(2) == pytest.approx(0.04 * 4.0)
+    prefix = prefix_acceptance([0.6, 0.5, 0.2])
+    assert predicted_speedup(prefix, 2, tree) == pytest.approx(expected_tokens(prefix, 2) / 2.2)
+    # the same acceptance as a chain would pay; priced as a tree, depth 1 (T(5) = 1.4) wins
+    assert best_draft_len(prefix, COSTS, 1, 3).draft_len == 2
+    assert best_draft_len(prefix, tree, 1, 8).draft_len == 1
+    with pytest.raises(ValueError, match="no verify cost for k = 4"):
+        tree.step_s(4)
+
+
 def test_a_drafter_that_often_proposes_nothing_costs_less_per_step() -> None:
     """Prompt lookup without a match leaves the step plain: its cost is a plain step's, so a
     low proposal rate must not be charged the full verify cost."""

@@ -14,12 +14,15 @@ from typing import Any
 
 import pytest
 import yaml
+from test_engine import with_drafters
 
 from policies.cost import ALONE, RoundLoad
 from policies.records import PLAIN, StepRecord
 from policies.schema import PolicyError, load_policy
 from policies.selector import FALLBACK, FORCED
 from policies.stats import MemoryStats, RedisStats
+from workers.config import ModelDrafterConfig, TreeConfig
+from workers.drafters.registry import build_drafter
 from workers.engine import RequestError, SpecEngine
 from workers.routing import RoutedGeneration, Router, Speculation, generate, measure_costs, round_load
 from workers.sampling import SamplingParams
@@ -264,6 +267,25 @@ def test_measure_costs(tiny_engine: SpecEngine) -> None:
     # probe's prompt, so it stays unpriced (0) until live steps measure it
     assert {"self", "other"} <= set(costs.draft_s_per_token) and "ngram" not in costs.draft_s_per_token
     assert all(t > 0 for t in costs.draft_s_per_token.values())
+
+
+def test_a_tree_drafter_is_priced_by_the_tokens_it_verifies(tiny_engine: SpecEngine) -> None:
+    """The verify curve reaches the tree's size and the policy prices its steps there: the same
+    acceptance as the chain drafter, but a dearer step. Its routed output is plain decoding's."""
+    tree = ModelDrafterConfig(name="self_tree", model=tiny_engine.config.drafters[1].model,
+                              tree=TreeConfig(topk=3, nodes=20))
+    config = tiny_engine.config.model_copy(update={"drafters": [*tiny_engine.config.drafters, tree]})
+    engine = with_drafters(tiny_engine, config, self_tree=build_drafter(tree, tiny_engine.target))
+    costs = measure_costs(engine, context_len=16, repeats=1)
+    assert len(costs.verify_s) == 21 and costs.tree_sizes["self_tree"][:4] == (0, 3, 12, 20)
+    assert costs.for_drafter("self_tree").step_s(2) == costs.draft_s_per_token["self_tree"] * 2 + costs.verify_s[12]
+    router = Router(engine, load_policy(policy_dict(drafters=["self_tree", "none"], priors={"self_tree": 0.6})),
+                    MemoryStats())
+    assert router.costs is not None and router.costs.tree_sizes == costs.tree_sizes  # uncalibrated: the prior
+    text = "Write a haiku about spring rain."
+    out = run(router, text, Speculation(drafter="self_tree", draft_len=3))
+    assert out.generation.token_ids == plain_ids(engine, text)
+    assert max(s.num_tree_nodes for s in out.generation.steps) > 3
 
 
 def test_decisions_are_reproducible(tiny_engine: SpecEngine) -> None:

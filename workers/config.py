@@ -105,6 +105,11 @@ class TreeConfig(_Strict):
     topk: int = Field(4, ge=1, le=16, description="children per expanded node, and nodes expanded per depth")
     nodes: int = Field(12, ge=1, le=64, description="draft tokens verified per step (the most likely nodes)")
 
+    def size(self, depth: int) -> int:
+        """Draft tokens a tree of this depth verifies: the kept nodes, at most the candidates
+        grown (topk at depth 1, then topk children of each of topk nodes per further depth)."""
+        return min(self.nodes, self.topk + (depth - 1) * self.topk**2) if depth > 0 else 0
+
 
 class ModelDrafterConfig(_Strict):
     kind: Literal["model"] = "model"

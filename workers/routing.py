@@ -15,7 +15,7 @@ import random
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -84,11 +84,12 @@ class RoutedResult:
 
 def measure_costs(engine: SpecEngine, context_len: int = 64, repeats: int = 3) -> CostTable:
     """The step costs of this deployment: the verify curve, the best of `repeats` target forwards
-    over 1 + k tokens after a `context_len`-token prefix, k = 0..max_draft_len; and each drafter's
-    seconds per draft token (`measure_draft_costs`). The policy's cost prior until live
-    statistics measure the real traffic."""
+    over 1 + k tokens after a `context_len`-token prefix, k = 0..max_draft_len (or the biggest
+    draft tree's size); and each drafter's seconds per draft token (`measure_draft_costs`). The
+    policy's cost prior until live statistics measure the real traffic."""
     model = engine.target.model
-    max_k = engine.config.max_draft_len
+    # the curve reaches the biggest draft tree's size: the policy prices a tree step by its tokens
+    max_k = max([engine.config.max_draft_len, *(sizes[-1] for sizes in tree_sizes(engine).values())])
     context_len = max(1, min(context_len, engine.max_model_len - max_k - 1))
     vocab = model.info.vocab_size
     ids = torch.arange(context_len + max_k + 1, device=model.device) * 7919 % vocab
@@ -102,7 +103,14 @@ def measure_costs(engine: SpecEngine, context_len: int = 64, repeats: int = 3) -
             elapsed = time.perf_counter() - t0
             cache.truncate(context_len)
             best[k] = min(best[k], elapsed)
-    return CostTable(tuple(best), measure_draft_costs(engine, ids[:context_len].tolist(), repeats))
+    return CostTable(tuple(best), measure_draft_costs(engine, ids[:context_len].tolist(), repeats), tree_sizes(engine))
+
+
+def tree_sizes(engine: SpecEngine) -> dict[str, tuple[int, ...]]:
+    """Per tree drafter, the draft tokens a step verifies at each depth 0..max_draft_len: what
+    the policy prices its verify forward by (a chain verifies k)."""
+    return {d.name: tuple(d.tree.size(k) for k in range(engine.config.max_draft_len + 1))
+            for d in engine.config.drafters if getattr(d, "tree", None) is not None}
 
 
 def measure_draft_costs(engine: SpecEngine, prompt: list[int], repeats: int, k: int = 4) -> dict[str, float]:
@@ -135,6 +143,8 @@ class Router:
         self.engine = engine
         self.store = store
         self.allowed_dirs = allowed_dirs
+        if (sizes := tree_sizes(engine)):  # the policy must know what a tree step verifies
+            costs = replace(costs or CostTable.relative(), tree_sizes=sizes)
         self.costs = costs
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
