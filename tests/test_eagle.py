@@ -43,9 +43,9 @@ def write_eagle(out: Path, engine: SpecEngine, draft_vocab: list[int] | None = N
     return out
 
 
-def engine_with(tiny_engine: SpecEngine, path: Path, name: str = "eagle") -> SpecEngine:
+def engine_with(tiny_engine: SpecEngine, path: Path, name: str = "eagle", tree: TreeConfig | None = None) -> SpecEngine:
     config = EngineConfig(target=tiny_engine.config.target,
-                          drafters=[NgramDrafterConfig(), EagleDrafterConfig(name=name, path=str(path))])
+                          drafters=[NgramDrafterConfig(), EagleDrafterConfig(name=name, path=str(path), tree=tree)])
     return SpecEngine.from_config(config)
 
 
@@ -104,9 +104,12 @@ def test_switching_to_eagle_mid_request_uses_every_feature(eagle_engine: SpecEng
     gen.close()
 
 
-def test_sampled_output_follows_target_distribution(tiny_engine: SpecEngine, tmp_path: Path) -> None:
+@pytest.mark.parametrize("tree", [None, TreeConfig(topk=2, nodes=4)], ids=["chain", "tree"])
+def test_sampled_output_follows_target_distribution(tiny_engine: SpecEngine, tmp_path: Path,
+                                                    tree: TreeConfig | None) -> None:
     """Rejection sampling with the drafter's distribution over a reduced vocabulary (zero outside
-    it) keeps the target's exact joint distribution of the first two sampled tokens."""
+    it), or a tree's candidates there verified by multi-candidate rejection sampling, keeps the
+    target's exact joint distribution of the first two sampled tokens."""
     prompt = tiny_engine.encode("The weather today", chat=False)
     params = {"max_tokens": 2, "temperature": 1.5, "top_k": 3, "ignore_eos": True}
     model = tiny_engine.target.model
@@ -115,25 +118,8 @@ def test_sampled_output_follows_target_distribution(tiny_engine: SpecEngine, tmp
     # the draft vocabulary holds two of the three first tokens and one the target never samples:
     # both the accept and the reject path, and mass outside the target's support
     outside = next(t for t in range(model.info.vocab_size) if t not in firsts)
-    engine = engine_with(tiny_engine, write_eagle(tmp_path / "eagle", tiny_engine, [firsts[0], firsts[1], outside]))
-    num_trials = 800
-    results = assert_follows_joint(joint, num_trials, lambda seed: engine.generate(
-        prompt, SamplingParams(seed=seed, **params), "eagle", 1))
-    assert 0 < sum(r.num_accepted_tokens for r in results) < num_trials
-
-
-def test_sampled_tree_follows_target_distribution(tiny_engine: SpecEngine, tmp_path: Path) -> None:
-    """A tree's candidates over a reduced vocabulary, verified by multi-candidate rejection
-    sampling, keep the target's joint distribution of the first two sampled tokens."""
-    prompt = tiny_engine.encode("The weather today", chat=False)
-    params = {"max_tokens": 2, "temperature": 1.5, "top_k": 3, "ignore_eos": True}
-    model = tiny_engine.target.model
-    joint = first_two_tokens_joint(model, prompt, SamplingParams(**params))
-    firsts = sorted({a for a, _ in joint})
-    outside = next(t for t in range(model.info.vocab_size) if t not in firsts)
     path = write_eagle(tmp_path / "eagle", tiny_engine, [firsts[0], firsts[1], outside])
-    engine = SpecEngine.from_config(EngineConfig(target=tiny_engine.config.target, drafters=[
-        EagleDrafterConfig(name="eagle", path=str(path), tree=TreeConfig(topk=2, nodes=4))]))
+    engine = engine_with(tiny_engine, path, tree=tree)
     num_trials = 800
     results = assert_follows_joint(joint, num_trials, lambda seed: engine.generate(
         prompt, SamplingParams(seed=seed, **params), "eagle", 1))
