@@ -91,7 +91,8 @@ class TreeGrowth:
             while ancestor >= 0:
                 mask[r, self.cache_row[ancestor]] = True
                 ancestor = self.parent[ancestor]
-            self.cache_row[node] = mask[r, cache_len + r] = cache_len + r
+            mask[r, cache_len + r] = True
+            self.cache_row[node] = cache_len + r
         positions = torch.tensor([context_len + self.depth[n] - 1 for n in nodes])
         return positions.to(device), mask.to(device)
 
