@@ -38,6 +38,12 @@ class DraftContext:
     features: torch.Tensor | None = None
 
 
+def token_ids_of(rows: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
+    """The target's token ids of draft-vocabulary rows (`vocab_ids`: the token id of each row;
+    None: the rows are token ids already)."""
+    return rows if vocab_ids is None else vocab_ids[rows]
+
+
 def full_vocab_probs(q: torch.Tensor, vocab_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
     """[n, draft vocab] draft probabilities over the target's vocabulary (zero outside the draft
     vocabulary, whose token ids `vocab_ids` lists; None: q is over the whole vocabulary already):

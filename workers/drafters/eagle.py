@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from workers.drafters.base import Draft, DraftContext, full_vocab_probs
+from workers.drafters.base import Draft, DraftContext, full_vocab_probs, token_ids_of
 from workers.sampling import log_probs, probs_from_logits
 from workers.tree import TreeGrowth, grow_tree
 
@@ -271,12 +271,12 @@ class EagleDrafter:
         for i in range(k):
             logits = feature[None] @ self.head_t  # [1, draft_vocab]
             if ctx.params.greedy:
-                row = int(logits[0].argmax())
+                row = logits[0].argmax()
             else:
                 p = probs_from_logits(logits, ctx.params)
-                row = int(torch.multinomial(p[0], 1, generator=ctx.generator))
+                row = torch.multinomial(p[0], 1, generator=ctx.generator)[0]
                 probs.append(full_vocab_probs(p, self.vocab_ids, self.vocab_size))
-            token = int(self.vocab_ids[row]) if self.vocab_ids is not None else row
+            token = int(token_ids_of(row, self.vocab_ids))
             drafted.append(token)
             if i < k - 1:  # feed (predicted feature, drafted token): predicts the next feature
                 feature = self._run(state, torch.tensor([token], device=self.embed.device), feature[None])
@@ -289,12 +289,10 @@ class EagleDrafter:
         cache, device = state.cache, self.embed.device
         feature_of: dict[int, torch.Tensor] = {-1: root_feature}  # expanded node -> predicted feature
 
-        def token(row: int) -> int:
-            return int(self.vocab_ids[row]) if self.vocab_ids is not None else row
-
         def expand(growth: TreeGrowth, nodes: list[int]) -> torch.Tensor:
             positions, mask = growth.level_inputs(nodes, state.num_pairs, cache.length, device)
-            tokens = torch.tensor([token(growth.row[n]) for n in nodes], device=device)
+            rows = torch.tensor([growth.row[n] for n in nodes], dtype=torch.long, device=device)
+            tokens = token_ids_of(rows, self.vocab_ids)
             inputs = torch.stack([feature_of[growth.parent[n]] for n in nodes])
             out = self.net(self.embed[tokens][None], inputs[None], self.cos[positions], self.sin[positions],
                            cache, mask)[0]
@@ -304,7 +302,8 @@ class EagleDrafter:
         tree = self.config.tree
         root = log_probs(root_feature[None] @ self.head_t, ctx.params)[0]
         rows, shape = grow_tree(root, expand, k, tree.topk, tree.nodes)
-        return Draft(torch.tensor([token(r) for r in rows], dtype=torch.long), tree=shape)
+        token_ids = token_ids_of(torch.tensor(rows, dtype=torch.long, device=device), self.vocab_ids)
+        return Draft(token_ids.cpu(), tree=shape)
 
     def commit(self, state: EagleState, ctx: DraftContext, num_new: int, num_accepted: int) -> None:
         # drafted pairs carried predicted features: drop them all; true ones are fed next time

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from workers.drafters.base import Draft, DraftContext, full_vocab_probs
+from workers.drafters.base import Draft, DraftContext, full_vocab_probs, token_ids_of
 from workers.drafters.eagle import CheckpointError
 from workers.sampling import log_probs, probs_from_logits
 from workers.tree import grow_tree
@@ -162,17 +162,15 @@ class MedusaDrafter:
             lp = log_probs(logits, ctx.params)
             rows_list, shape = grow_tree(lp[0], lambda g, nodes: lp[[g.depth[n] for n in nodes]], k, tree.topk,
                                          tree.nodes)
-            rows = torch.tensor(rows_list, dtype=torch.long, device=logits.device)
-            token_ids = self.vocab_ids[rows] if self.vocab_ids is not None else rows
-            return Draft(token_ids, tree=shape)
+            tree_rows = torch.tensor(rows_list, dtype=torch.long, device=logits.device)
+            return Draft(token_ids_of(tree_rows, self.vocab_ids), tree=shape)
         if ctx.params.greedy:
             rows, probs = logits.argmax(-1), None
         else:
             q = probs_from_logits(logits, ctx.params)
             rows = torch.multinomial(q, 1, generator=ctx.generator)[:, 0]
             probs = full_vocab_probs(q, self.vocab_ids, self.vocab_size)
-        token_ids = self.vocab_ids[rows] if self.vocab_ids is not None else rows
-        return Draft(token_ids.to(torch.long), probs)
+        return Draft(token_ids_of(rows, self.vocab_ids).to(torch.long), probs)
 
     def commit(self, state: None, ctx: DraftContext, num_new: int, num_accepted: int) -> None:
         pass

@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from workers.config import MAX_DRAFT_LEN, ModelDrafterConfig
-from workers.drafters.base import Draft, DraftContext, full_vocab_probs
+from workers.drafters.base import Draft, DraftContext, full_vocab_probs, token_ids_of
 from workers.models.base import CausalLM, KVCache
 from workers.sampling import log_probs, probs_from_logits
 from workers.tree import TreeGrowth, grow_tree
@@ -58,7 +58,7 @@ class ModelDrafter:
                 p = probs_from_logits(logits[-1:], ctx.params)  # [1, vocab']
                 row = torch.multinomial(p[0], 1, generator=ctx.generator)
                 probs.append(full_vocab_probs(p, self.vocab_ids, self.model.info.vocab_size))
-            token = row if self.vocab_ids is None else self.vocab_ids[row]
+            token = token_ids_of(row, self.vocab_ids)
             token_ids.append(token)
             if i < k - 1:  # the last draft token is never fed: nothing would read its logits
                 logits = self.model.forward(token, state.cache).logits
@@ -73,12 +73,10 @@ class ModelDrafter:
         Their cache rows are dropped at commit (the accepted tokens are fed again next time)."""
         device, cache = self.model.device, state.cache
 
-        def token(row: int) -> int:
-            return int(self.vocab_ids[row]) if self.vocab_ids is not None else row
-
         def expand(growth: TreeGrowth, nodes: list[int]) -> torch.Tensor:
             positions, mask = growth.level_inputs(nodes, state.num_cached, cache.length, device)
-            tokens = torch.tensor([token(growth.row[n]) for n in nodes], device=device)
+            rows = torch.tensor([growth.row[n] for n in nodes], dtype=torch.long, device=device)
+            tokens = token_ids_of(rows, self.vocab_ids)
             logits = self.model.forward(tokens, cache, positions=positions, mask=mask).logits  # type: ignore[call-arg]
             return log_probs(logits, ctx.params)
 
@@ -87,7 +85,7 @@ class ModelDrafter:
         k = min(k, 1 + (cache.capacity - cache.length) // tree.topk)  # the levels must fit in the cache
         rows, shape = grow_tree(log_probs(root_logits[None], ctx.params)[0], expand, k, tree.topk, tree.nodes)
         state.num_draft_cached = 0
-        return Draft(torch.tensor([token(r) for r in rows], dtype=torch.long, device=device), tree=shape)
+        return Draft(token_ids_of(torch.tensor(rows, dtype=torch.long, device=device), self.vocab_ids), tree=shape)
 
     def commit(self, state: ModelDraftState, ctx: DraftContext, num_new: int, num_accepted: int) -> None:
         # cached drafts stay valid up to the first rejected one
