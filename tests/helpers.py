@@ -3,7 +3,8 @@
 - `serve_tiny_app`: the real Serve application over HTTP on a free port, the tiny target.
 - `throwaway_redis_server`: a redis-server of the test's own, to stop and restart.
 - `first_two_tokens_joint` / `assert_follows_joint`: the seeded statistical check that sampled
-  speculative decoding keeps the target's exact joint distribution of its first two tokens.
+  speculative decoding keeps the target's exact joint distribution of its first two tokens;
+  `TwoTokenCase` sets it up the way every drafter's test uses it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ import yaml
 from scipy.stats import chisquare
 
 from workers.config import EngineConfig
-from workers.engine import GenerationResult
+from workers.engine import GenerationResult, SpecEngine
 from workers.models.base import CausalLM
 from workers.sampling import SamplingParams, probs_from_logits
 
@@ -149,3 +151,32 @@ def assert_follows_joint(
     _, p_value = chisquare(counts, expected * counts.sum() / expected.sum())
     assert p_value > 1e-4, (counts, expected)
     return results
+
+
+# two tokens at temperature 1.5 among the top 3: at most 9 pairs, each likely enough to count
+TWO_TOKEN_PARAMS: dict[str, Any] = {"max_tokens": 2, "temperature": 1.5, "top_k": 3, "ignore_eos": True}
+
+
+@dataclass(frozen=True)
+class TwoTokenCase:
+    """The sampled-losslessness case of the drafters' tests: a short prompt and the target's
+    exact joint distribution of its first two sampled tokens (TWO_TOKEN_PARAMS)."""
+
+    prompt: list[int]
+    joint: dict[tuple[int, int], float]
+
+    @classmethod
+    def of(cls, engine: SpecEngine) -> TwoTokenCase:
+        prompt = engine.encode("The weather today", chat=False)
+        return cls(prompt, first_two_tokens_joint(engine.target.model, prompt, SamplingParams(**TWO_TOKEN_PARAMS)))
+
+    def draft_vocab(self, vocab_size: int) -> list[int]:
+        """Two of the target's possible first tokens and one it never samples: a draft vocabulary
+        that takes both the accept and the reject path, and puts mass outside the target's support."""
+        firsts = sorted({a for a, _ in self.joint})
+        return [firsts[0], firsts[1], next(t for t in range(vocab_size) if t not in firsts)]
+
+    def check(self, engine: SpecEngine, drafter: str, k: int, num_trials: int) -> list[GenerationResult]:
+        """`assert_follows_joint` over `engine` drafting k tokens with `drafter`; the results."""
+        return assert_follows_joint(self.joint, num_trials, lambda seed: engine.generate(
+            self.prompt, SamplingParams(seed=seed, **TWO_TOKEN_PARAMS), drafter, k))

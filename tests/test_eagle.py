@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_follows_joint, first_two_tokens_joint
+from helpers import TwoTokenCase
 from safetensors.torch import save_file
 
 from workers.config import EagleDrafterConfig, EngineConfig, NgramDrafterConfig, TreeConfig
@@ -110,19 +110,11 @@ def test_sampled_output_follows_target_distribution(tiny_engine: SpecEngine, tmp
     """Rejection sampling with the drafter's distribution over a reduced vocabulary (zero outside
     it), or a tree's candidates there verified by multi-candidate rejection sampling, keeps the
     target's exact joint distribution of the first two sampled tokens."""
-    prompt = tiny_engine.encode("The weather today", chat=False)
-    params = {"max_tokens": 2, "temperature": 1.5, "top_k": 3, "ignore_eos": True}
-    model = tiny_engine.target.model
-    joint = first_two_tokens_joint(model, prompt, SamplingParams(**params))
-    firsts = sorted({a for a, _ in joint})
-    # the draft vocabulary holds two of the three first tokens and one the target never samples:
-    # both the accept and the reject path, and mass outside the target's support
-    outside = next(t for t in range(model.info.vocab_size) if t not in firsts)
-    path = write_eagle(tmp_path / "eagle", tiny_engine, [firsts[0], firsts[1], outside])
+    case = TwoTokenCase.of(tiny_engine)
+    path = write_eagle(tmp_path / "eagle", tiny_engine, case.draft_vocab(tiny_engine.target.model.info.vocab_size))
     engine = engine_with(tiny_engine, path, tree=tree)
     num_trials = 800
-    results = assert_follows_joint(joint, num_trials, lambda seed: engine.generate(
-        prompt, SamplingParams(seed=seed, **params), "eagle", 1))
+    results = case.check(engine, "eagle", 1, num_trials)
     assert 0 < sum(r.num_accepted_tokens for r in results) < num_trials
 
 

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from helpers import assert_follows_joint, first_two_tokens_joint
+from helpers import TwoTokenCase
 
 from workers.config import EngineConfig, ModelConfig, ModelDrafterConfig, NgramDrafterConfig
 from workers.drafters.base import Draft, DraftContext
@@ -629,12 +629,8 @@ def test_sampled_self_drafting_is_almost_always_accepted(engine: SpecEngine, pro
 def test_sampled_output_follows_target_distribution(engine: SpecEngine) -> None:
     """End to end: the first two sampled tokens (top-k 3, so 9 possible pairs) of speculative
     decoding with the perturbed drafter follow the target's exact joint distribution."""
-    prompt = engine.encode("The weather today", chat=False)
-    params = {"max_tokens": 2, "temperature": 1.5, "top_k": 3, "ignore_eos": True}
-    joint = first_two_tokens_joint(engine.target.model, prompt, SamplingParams(**params))
     num_trials = 800
-    results = assert_follows_joint(joint, num_trials, lambda seed: engine.generate(
-        prompt, SamplingParams(seed=seed, **params), "perturbed", 1))
+    results = TwoTokenCase.of(engine).check(engine, "perturbed", 1, num_trials)
     accepted = sum(r.num_accepted_tokens for r in results)
     assert 0 < accepted < num_trials  # both the accept and the reject path were taken
 

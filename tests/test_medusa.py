@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_follows_joint, first_two_tokens_joint
+from helpers import TwoTokenCase
 from safetensors.torch import save_file
 
 from workers.config import EngineConfig, MedusaDrafterConfig, TreeConfig
@@ -101,15 +101,10 @@ def test_sampled_output_follows_target_distribution(tiny_engine: SpecEngine, tmp
     """Draft probabilities of a head over a reduced vocabulary (zero outside it) keep the
     target's exact joint distribution of the first two sampled tokens (the first step drafts
     from the prompt's second-to-last feature; both tokens are checked)."""
-    prompt = tiny_engine.encode("The weather today", chat=False)
-    params = {"max_tokens": 2, "temperature": 1.5, "top_k": 3, "ignore_eos": True}
-    model = tiny_engine.target.model
-    joint = first_two_tokens_joint(model, prompt, SamplingParams(**params))
-    firsts = sorted({a for a, _ in joint})
-    outside = next(t for t in range(model.info.vocab_size) if t not in firsts)
-    engine = engine_with(tiny_engine, medusa=write_heads(tmp_path / "m", tiny_engine, [firsts[0], firsts[1], outside]))
-    results = assert_follows_joint(joint, 600, lambda seed: engine.generate(
-        prompt, SamplingParams(seed=seed, **params), "medusa", 1))
+    case = TwoTokenCase.of(tiny_engine)
+    vocab = case.draft_vocab(tiny_engine.target.model.info.vocab_size)
+    engine = engine_with(tiny_engine, medusa=write_heads(tmp_path / "m", tiny_engine, vocab))
+    results = case.check(engine, "medusa", 1, 600)
     assert sum(r.num_draft_tokens for r in results) > 0
 
 

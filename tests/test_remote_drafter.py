@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from helpers import assert_follows_joint, first_two_tokens_joint, serve_tiny_app
+from helpers import TwoTokenCase, serve_tiny_app
 from test_engine import TEXTS, greedy, perturbed_drafter, with_drafters  # noqa: F401  (fixture)
 
 from workers.config import EngineConfig, ModelDrafterConfig, TreeConfig
@@ -87,11 +87,7 @@ def test_remote_sampled_output_follows_target_distribution(
 ) -> None:
     """The drafter's probabilities travel back with its proposal: rejection sampling stays exact."""
     engine = remote_engine(tiny_engine, perturbed_drafter, CountingService(perturbed_drafter))
-    prompt = engine.encode("The weather today", chat=False)
-    params = {"max_tokens": 2, "temperature": 1.5, "top_k": 3, "ignore_eos": True}
-    joint = first_two_tokens_joint(engine.target.model, prompt, SamplingParams(**params))
-    results = assert_follows_joint(joint, 600, lambda seed: engine.generate(
-        prompt, SamplingParams(seed=seed, **params), "remote", 1))
+    results = TwoTokenCase.of(engine).check(engine, "remote", 1, 600)
     assert 0 < sum(r.num_accepted_tokens for r in results) < 600
 
 

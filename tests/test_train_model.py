@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_follows_joint, first_two_tokens_joint
+from helpers import TwoTokenCase
 from safetensors.torch import load_file, save_file
 
 from workers.config import EngineConfig, ModelConfig, ModelDrafterConfig, TargetConfig
@@ -86,18 +86,13 @@ def test_sampled_output_follows_the_target_distribution(trained: Path, tiny_llam
     """A draft vocabulary holding two of the target's likely first tokens and one it never
     samples: the first two sampled tokens keep the target's exact joint distribution."""
     plain_engine = engine_with(tiny_llama_dir, trained)
-    prompt = plain_engine.encode("The weather today", chat=False)
-    params = {"max_tokens": 2, "temperature": 1.5, "top_k": 3, "ignore_eos": True}
-    model = plain_engine.target.model
-    joint = first_two_tokens_joint(model, prompt, SamplingParams(**params))
-    firsts = sorted({a for a, _ in joint})
-    outside = next(t for t in range(model.info.vocab_size) if t not in firsts)
+    case = TwoTokenCase.of(plain_engine)
     drafter = tmp_path / "three-tokens"
     shutil.copytree(trained, drafter)
-    save_file({"draft_vocab": torch.tensor([firsts[0], firsts[1], outside])}, str(drafter / DRAFT_VOCAB_FILE))
+    vocab = case.draft_vocab(plain_engine.target.model.info.vocab_size)
+    save_file({"draft_vocab": torch.tensor(vocab)}, str(drafter / DRAFT_VOCAB_FILE))
     engine = engine_with(tiny_llama_dir, drafter)
-    results = assert_follows_joint(joint, 600, lambda seed: engine.generate(
-        prompt, SamplingParams(seed=seed, **params), "distilled", 1))
+    results = case.check(engine, "distilled", 1, 600)
     assert sum(r.num_draft_tokens for r in results) > 0
 
 

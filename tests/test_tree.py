@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_follows_joint, first_two_tokens_joint
+from helpers import TwoTokenCase
 from scipy.stats import chisquare
 
 from workers.config import EngineConfig, ModelConfig, ModelDrafterConfig, TreeConfig
@@ -174,11 +174,7 @@ def test_model_drafter_tree_greedy_identical_to_plain(tree_engine: SpecEngine, k
 
 def test_model_drafter_tree_sampled_follows_target_distribution(tree_engine: SpecEngine) -> None:
     """Two of the target's three possible tokens are candidates: accepted and rejected alike."""
-    prompt = tree_engine.encode("The weather today", chat=False)
-    params = {"max_tokens": 2, "temperature": 1.5, "top_k": 3, "ignore_eos": True}
-    joint = first_two_tokens_joint(tree_engine.target.model, prompt, SamplingParams(**params))
-    results = assert_follows_joint(joint, 600, lambda seed: tree_engine.generate(
-        prompt, SamplingParams(seed=seed, **params), "self_tree", 2))
+    results = TwoTokenCase.of(tree_engine).check(tree_engine, "self_tree", 2, 600)
     assert 0 < sum(r.num_accepted_tokens for r in results) < 600
 
 
