@@ -251,8 +251,10 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     cls, train = {"eagle": (EagleTrainArgs, train_eagle), "medusa": (MedusaTrainArgs, train_medusa),
                   "model": (ModelTrainArgs, train_model)}[args.kind]
     fields = {f.name for f in dataclasses.fields(cls)}
-    # flags left at their default are not given (None, or False for switches): the kind's own default applies
-    given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "kind") and v not in (None, False)}
+    # flags left at their default are not given (None, or False for switches): the kind's own default applies;
+    # a given 0 is kept (`0 in (None, False)` is true in Python)
+    given = {k: v for k, v in vars(args).items()
+             if k not in ("command", "func", "kind") and v is not None and v is not False}
     if wrong := sorted(k for k in given if k not in fields):
         flags = ", ".join(f"--{k.replace('_', '-')}" for k in wrong)
         raise CLIError(f"{flags}: not an option of --kind {args.kind}")

@@ -119,6 +119,7 @@ def test_resume_repeats_the_uninterrupted_run(trained: Path, tiny_llama_dir: Pat
     (["--data", "wikipedia"], "unknown source 'wikipedia'"),
     (["--data", ""], "--data is empty"),
     (["--steps", "4", "--stop-at", "5"], "--stop-at"),
+    (["--lr", "0"], "--lr and --grad-clip must be positive"),  # a given 0 reaches the trainer, not its default
     (["--init", "nowhere"], "--init must be one of target, random or an EAGLE checkpoint folder; no nowhere/config.json"),
     ([], "no such directory"),  # the target
 ])
