@@ -417,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stop after step N with a checkpoint (the schedule still spans --steps); --resume continues")
     td.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     td.add_argument("--eval-windows", type=_non_negative_int, default=None, help="held-out windows for the report")
+    td.add_argument("--eval-data", default=None,
+                    help="sources (as --data) of separate held-out text, e.g. chat: answers to prompts never "
+                         "trained on; default: a random share of --data's windows, which flatters a drafter")
     td.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), default=None,
                     help="dtype of the saved drafter weights (training is float32)")
     eagle = td.add_argument_group("eagle")

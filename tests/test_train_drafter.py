@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from workers.train.corpus import (
     spec_bench_prompts,
     stdlib_files,
 )
-from workers.train.features import select_draft_vocab, vocab_coverage
+from workers.train.features import FeatureSet, select_draft_vocab, vocab_coverage
 
 SMALL = ["--data", "pydoc", "--max-tokens", "4000", "--chunk-len", "256", "--seq-len", "64", "--batch", "4",
          "--lr", "1e-3", "--save-every", "3", "--draft-vocab", "2048"]
@@ -109,6 +110,35 @@ def test_resume_repeats_the_uninterrupted_run(trained: Path, tiny_llama_dir: Pat
         torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "model"])
+def test_eval_data_holds_out_a_separate_corpus(kind: str, tiny_llama_dir: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    chat = tmp_path / "unseen.jsonl"
+    chat.write_text("".join(json.dumps({"prompt": f"Tell me about the number {i}.", "answer": f"{i} is a number. " * 20})
+                            + "\n" for i in range(8)))
+    out = tmp_path / kind
+    argv = ["train-drafter", "--kind", kind, "--target", str(tiny_llama_dir), "--data", "pydoc", "--max-tokens", "2000",
+            "--chunk-len", "128", "--seq-len", "32", "--batch", "2", "--steps", "2", "--draft-vocab", "512",
+            "--eval-data", f"chat:{chat}", "--eval-windows", "3", "--out", str(out)]
+    assert main([*argv, "--stop-at", "1"]) == 0
+    assert (out / "train_state" / "eval_features.safetensors").is_file()  # the resume evaluates on the same text
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 0
+    assert re.search(r"held out features: \d+ tokens from \S+eval_features", capsys.readouterr().err)  # not rerun
+    rec = json.loads((out / "config.json").read_text())["specroute_training"]
+    windows = rec["windows"]
+    assert windows["held_out"] == 3 and windows["held_out_from"] == f"--eval-data chat:{chat}"
+    assert list(windows["held_out_sources"]) == [f"chat:{chat}"]
+    assert windows["held_out_sources"][f"chat:{chat}"]["tokens"] <= 3 * 32  # what three windows can hold
+    # every window of the training corpus trains
+    assert windows["train"] == len(FeatureSet.load(out / "train_state" / "features.safetensors").windows(32))
+    assert rec["eval_initial"] and rec["eval_final"]
+    assert f"3 held out (never trained on; `--eval-data chat:{chat}`, a separate corpus of" in (out / "CARD.md").read_text()
+    argv[argv.index("--eval-data") + 1] = "pydoc"  # the training text itself
+    assert main([*argv[:-1], str(tmp_path / "overlap")]) == 2
+    assert "--eval-data: pydoc is in the training corpus too" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("argv", "needle"), [
     (["--kind", "lora"], "unknown drafter kind 'lora'"),
     (["--kind", "medusa", "--noise", "0.2", "--train-head"], "--noise, --train-head: not an option of --kind medusa"),
@@ -118,6 +148,8 @@ def test_resume_repeats_the_uninterrupted_run(trained: Path, tiny_llama_dir: Pat
     (["--data", "pydoc,chat:missing.jsonl"], "missing.jsonl"),
     (["--data", "wikipedia"], "unknown source 'wikipedia'"),
     (["--data", ""], "--data is empty"),
+    (["--eval-data", "chat:missing.jsonl"], "missing.jsonl"),
+    (["--eval-data", "stdlib", "--eval-windows", "0"], "--eval-data needs --eval-windows > 0"),
     (["--steps", "4", "--stop-at", "5"], "--stop-at"),
     (["--lr", "0"], "--lr and --grad-clip must be positive"),  # a given 0 reaches the trainer, not its default
     (["--init", "nowhere"], "--init must be one of target, random or an EAGLE checkpoint folder; no nowhere/config.json"),

@@ -25,6 +25,8 @@ STATE_DIR = "train_state"
 STATE_TENSORS = "state.safetensors"
 STATE_JSON = "state.json"
 FEATURES_FILE = "features.safetensors"
+EVAL_FEATURES_FILE = "eval_features.safetensors"  # --eval-data's corpus, teacher forced like the training one
+SHARE_OF_CORPUS = "a random share of the corpus's windows"  # where held-out windows come from by default
 CARD_FILE = "CARD.md"
 MIN_LR_RATIO = 0.1  # cosine decay ends at lr * this
 SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -145,11 +147,12 @@ def check_resume(out: Path, resume: bool, args: dict[str, Any], must_match: tupl
 
 def target_features(
     model: FastLlama, tokenizer: Any, state_dir: Path, *, data: str, max_tokens: int, seed: int, chunk_len: int,
-    resume: bool, log: Callable[[str], None], source: str | None = None,
+    resume: bool, log: Callable[[str], None], source: str | None = None, file: str = FEATURES_FILE,
 ) -> FeatureSet:
     """The run's features: `source` (a features file of another run) if given, else the run's own
-    when resuming, else the target run over the corpus now (and saved, for a resume)."""
-    path = Path(source) if source else state_dir / FEATURES_FILE
+    (`file` in the state folder) when resuming, else the target run over the corpus now (and saved,
+    for a resume)."""
+    path = Path(source) if source else state_dir / file
     if source or (resume and path.is_file()):
         if not path.is_file():
             raise TrainError(f"--features: no file {path}")
@@ -185,6 +188,39 @@ def check_common_args(args: Any, positive: tuple[str, ...]) -> None:
         raise TrainError(f"--stop-at must be in 1..--steps ({args.steps}), got {args.stop_at}")
     if args.save_dtype not in SAVE_DTYPES:
         raise TrainError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}")
+    if args.eval_data is not None:
+        if args.eval_windows == 0:
+            raise TrainError("--eval-data needs --eval-windows > 0: the windows it holds out")
+        parse_sources(args.eval_data)  # a bad source fails before the target loads
+
+
+@dataclass
+class HeldOut:
+    """The windows the run reports on and never trains on, and the features they index."""
+
+    fs: FeatureSet
+    windows: list[tuple[int, int]]
+    source: str  # for the card: where the windows come from
+
+
+def held_out_split(model: FastLlama, tokenizer: Any, state_dir: Path, fs: FeatureSet, args: Any,
+                   log: Callable[[str], None]) -> tuple[HeldOut, list[tuple[int, int]]]:
+    """(held out, training windows). By default a seeded random share of the corpus's windows;
+    those come from the same prompts and files as the training windows and so flatter a drafter.
+    With --eval-data, the first --eval-windows windows of a separate corpus (answers to prompts never
+    trained on, say), and every corpus window trains."""
+    windows = fs.windows(args.seq_len)
+    if args.eval_data is None:
+        held, train = split_windows(windows, args.eval_windows, args.seed)
+        return HeldOut(fs, held, SHARE_OF_CORPUS), train
+    eval_fs = target_features(model, tokenizer, state_dir, data=args.eval_data,
+                              max_tokens=args.eval_windows * args.seq_len, seed=args.seed, chunk_len=args.chunk_len,
+                              resume=args.resume, log=lambda line: log(f"held out {line}"), file=EVAL_FEATURES_FILE)
+    if shared := sorted(set(eval_fs.meta.get("sources", {})) & set(fs.meta.get("sources", {}))):
+        raise TrainError(f"--eval-data: {', '.join(shared)} is in the training corpus too; held-out text "
+                         "must not be trained on")
+    held = eval_fs.windows(args.seq_len)[: args.eval_windows]
+    return HeldOut(eval_fs, held, f"--eval-data {args.eval_data}"), windows
 
 
 def draft_vocab_of(fs: FeatureSet, model: FastLlama, size: int) -> tuple[torch.Tensor | None, float]:
@@ -196,10 +232,9 @@ def draft_vocab_of(fs: FeatureSet, model: FastLlama, size: int) -> tuple[torch.T
     return vocab, vocab_coverage(fs.ids, vocab)
 
 
-def new_record(fmt: str, args: Any, fs: FeatureSet, windows: tuple[list, list], vocab: torch.Tensor | None,
+def new_record(fmt: str, args: Any, fs: FeatureSet, held: HeldOut, train: list, vocab: torch.Tensor | None,
                coverage: float, vocab_size: int, eval_initial: dict[str, float] | None) -> dict[str, Any]:
     """A new run's record: settings, corpus, windows (held out, trained on), draft vocabulary."""
-    held_out, train = windows
     return {
         "format": fmt, "step": 0, "args": {**asdict(args), "resume": False}, "sessions": [args.command],
         "train_s": 0.0, "history": [],
@@ -208,10 +243,22 @@ def new_record(fmt: str, args: Any, fs: FeatureSet, windows: tuple[list, list], 
                    "features": args.features or "extracted by this run",
                    "extract_s": fs.meta.get("extract_s"), "extract_tokens_per_s": fs.meta.get("tokens_per_s"),
                    "extract_device": fs.meta.get("device")},
-        "windows": {"train": len(train), "held_out": len(held_out), "seq_len": args.seq_len},
+        "windows": {"train": len(train), "held_out": len(held.windows), "seq_len": args.seq_len,
+                    "held_out_from": held.source,
+                    **({"held_out_sources": held.fs.meta.get("sources", {})} if held.fs is not fs else {})},
         "draft_vocab": {"size": vocab_size if vocab is None else len(vocab), "coverage": round(coverage, 6)},
         "eval_initial": eval_initial,
     }
+
+
+def held_out_note(record: dict[str, Any]) -> str:
+    """The card's sentence on the held-out windows: how many, and where from."""
+    w = record["windows"]
+    origin = w.get("held_out_from", SHARE_OF_CORPUS)
+    tokens = sum(s.get("tokens", 0) for s in w.get("held_out_sources", {}).values())
+    if origin.startswith("--eval-data"):
+        origin = f"`{origin}`, a separate corpus of {tokens} tokens"
+    return f"{w['held_out']} held out (never trained on; {origin}) for the numbers below."
 
 
 def resumed_record(saved: dict[str, Any], args: dict[str, Any], command: str) -> dict[str, Any]:

@@ -58,12 +58,13 @@ from workers.train.common import (
     check_resume,
     cosine_lr,
     draft_vocab_of,
+    held_out_note,
+    held_out_split,
     load_state,
     new_record,
     record_checkpoint,
     resumed_record,
     run_steps,
-    split_windows,
     target_features,
     train_device,
     warmup_steps,
@@ -120,7 +121,8 @@ class EagleTrainArgs:
     train_head: bool = False
     init: str = "target"  # "target": identity layer reading with the target's last layer; "random": torch's
     # init; else an EAGLE checkpoint folder to fine-tune from (its fc and layer; the head is this run's)
-    eval_windows: int = 64  # held-out windows (at most a tenth of all), never trained on
+    eval_windows: int = 64  # held-out windows, never trained on (of --data's: at most a tenth)
+    eval_data: str | None = None  # sources of separate held-out text (default: a share of --data's windows)
     save_dtype: str = "float32"
     resume: bool = False
     command: str = ""
@@ -132,7 +134,7 @@ class EagleTrainArgs:
 # settings that define the run: a resume must not change them (steps, stop_at, save_every, device may change)
 RESUME_MUST_MATCH = ("target", "data", "features", "max_tokens", "draft_vocab", "chunk_len", "batch", "seq_len", "lr",
                      "warmup", "weight_decay", "w_cls", "noise", "unroll", "grad_clip", "seed", "train_head", "init",
-                     "eval_windows")
+                     "eval_windows", "eval_data")
 
 
 def lr_at(step: int, args: EagleTrainArgs) -> float:
@@ -393,7 +395,7 @@ def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dic
         cos=model.cos[:max_t].to(device=device, dtype=torch.float32),
         sin=model.sin_signed[:max_t].to(device=device, dtype=torch.float32),
     )
-    held_out, train_windows = split_windows(fs.windows(args.seq_len), args.eval_windows, args.seed)
+    held, train_windows = held_out_split(model, loaded.tokenizer, state_dir, fs, args, log)
     if not train_windows:
         raise TrainError(f"--data {args.data}: too little text to train on ({fs.num_tokens} tokens)")
 
@@ -402,8 +404,8 @@ def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dic
         load_state(state_dir, net, opt)
         record = resumed_record(saved, asdict(args), args.command)
     else:
-        record = new_record(FORMAT, args, fs, (held_out, train_windows), vocab, coverage, vocab_size,
-                            evaluate(net, parts, fs, held_out, args.batch, args.w_cls, device, args.unroll))
+        record = new_record(FORMAT, args, fs, held, train_windows, vocab, coverage, vocab_size,
+                            evaluate(net, parts, held.fs, held.windows, args.batch, args.w_cls, device, args.unroll))
     record["draft_vocab"]["head"] = ("the target's own lm_head" if vocab is None
                                      else "trainable" if args.train_head else "frozen")
 
@@ -423,12 +425,12 @@ def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dic
                                  "epoch": round(batcher.epoch_of(cp.step), 4)}
         if cp.train:
             entry["train"] = cp.train
-        entry["eval"] = evaluate(net, parts, fs, held_out, args.batch, args.w_cls, device, args.unroll)
+        entry["eval"] = evaluate(net, parts, held.fs, held.windows, args.batch, args.w_cls, device, args.unroll)
         record_checkpoint(record, entry, cp.train_s, state_dir, net, opt)
         write_drafter(out, net, record, args)
-        held = entry["eval"]
+        scores = entry["eval"]
         log(f"step {cp.step}/{args.steps}: " + ", ".join(f"{k} {v:.4f}" for k, v in (cp.train or {}).items())
-            + (f"; held out loss {held['loss']:.4f} top1 {held['top1']:.4f}" if held else ""))
+            + (f"; held out loss {scores['loss']:.4f} top1 {scores['top1']:.4f}" if scores else ""))
 
     net.train()
     run_steps(opt, [p for p in net.parameters() if p.requires_grad], start=start_step, stop=stop,
@@ -441,7 +443,7 @@ def write_drafter(out: Path, net: EagleNet, record: dict[str, Any], args: EagleT
     """The drafter in the EAGLE layout (config.json + model.safetensors) and its CARD.md."""
     cpu = copy.deepcopy(net).to("cpu")
     cpu.to(SAVE_DTYPES[args.save_dtype])  # floating tensors only: draft_vocab stays int64
-    summary = {k: record[k] for k in ("format", "step", "train_s", "corpus", "draft_vocab", "eval_initial")}
+    summary = {k: record[k] for k in ("format", "step", "train_s", "corpus", "windows", "draft_vocab", "eval_initial")}
     summary |= {"steps": args.steps, "eval_final": (record["history"][-1]["eval"] if record["history"] else None),
                 "train_final": (record["history"][-1].get("train") if record["history"] else None),
                 "target": args.target, "data": args.data, "sessions": record["sessions"]}
@@ -490,7 +492,7 @@ drafters:
 
 {corpus['chunks']} chunks of at most {args.chunk_len} tokens, teacher forced through the target (no
 generation). Training windows of at most {args.seq_len} pairs: {record['windows']['train']} trained on,
-{record['windows']['held_out']} held out (never trained on) for the numbers below.
+{held_out_note(record)}
 
 ## Draft vocabulary
 

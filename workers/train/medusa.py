@@ -40,12 +40,13 @@ from workers.train.common import (
     check_resume,
     cosine_lr,
     draft_vocab_of,
+    held_out_note,
+    held_out_split,
     load_state,
     new_record,
     record_checkpoint,
     resumed_record,
     run_steps,
-    split_windows,
     target_features,
     train_device,
     warmup_steps,
@@ -81,6 +82,7 @@ class MedusaTrainArgs:
     save_every: int = 500
     stop_at: int | None = None
     eval_windows: int = 64
+    eval_data: str | None = None  # sources of separate held-out text (default: a share of --data's windows)
     save_dtype: str = "float32"
     resume: bool = False
     command: str = ""
@@ -90,7 +92,8 @@ class MedusaTrainArgs:
 
 
 RESUME_MUST_MATCH = ("target", "data", "features", "max_tokens", "draft_vocab", "chunk_len", "num_heads", "num_layers",
-                     "batch", "seq_len", "lr", "warmup", "weight_decay", "decay", "grad_clip", "seed", "eval_windows")
+                     "batch", "seq_len", "lr", "warmup", "weight_decay", "decay", "grad_clip", "seed", "eval_windows",
+                     "eval_data")
 
 
 @dataclass
@@ -194,10 +197,10 @@ def train_medusa(args: MedusaTrainArgs, log: Callable[[str], None] = print) -> d
     head_t = head_t.to(device)
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=BETAS, weight_decay=args.weight_decay)
-    held_out, train_windows = split_windows(fs.windows(args.seq_len), args.eval_windows, args.seed)
+    held, train_windows = held_out_split(model, loaded.tokenizer, state_dir, fs, args, log)
     # a window must leave every head a label: at least num_heads pairs
     train_windows = [w for w in train_windows if w[1] > args.num_heads]
-    held_out = [w for w in held_out if w[1] > args.num_heads]
+    held.windows = [w for w in held.windows if w[1] > args.num_heads]
     if not train_windows:
         raise TrainError(f"--data {args.data}: too little text to train on ({fs.num_tokens} tokens)")
 
@@ -205,8 +208,8 @@ def train_medusa(args: MedusaTrainArgs, log: Callable[[str], None] = print) -> d
         load_state(state_dir, heads, opt)
         record = resumed_record(saved, asdict(args), args.command)
     else:
-        record = new_record(FORMAT, args, fs, (held_out, train_windows), vocab, coverage, vocab_size,
-                            evaluate(heads, head_t, fs, held_out, args, device))
+        record = new_record(FORMAT, args, fs, held, train_windows, vocab, coverage, vocab_size,
+                            evaluate(heads, head_t, held.fs, held.windows, args, device))
 
     start_step, stop = record["step"], min(args.steps, args.stop_at or args.steps)
     batcher = Batcher(train_windows, args.batch, args.seed)
@@ -215,12 +218,12 @@ def train_medusa(args: MedusaTrainArgs, log: Callable[[str], None] = print) -> d
         entry: dict[str, Any] = {"step": cp.step, "epoch": round(batcher.epoch_of(cp.step), 4)}
         if cp.train:
             entry["train"] = cp.train
-        entry["eval"] = evaluate(heads, head_t, fs, held_out, args, device)
+        entry["eval"] = evaluate(heads, head_t, held.fs, held.windows, args, device)
         record_checkpoint(record, entry, cp.train_s, state_dir, heads, opt)
         write_heads(out, heads, record, args)
-        held = entry["eval"] or {}
+        scores = entry["eval"] or {}
         log(f"step {cp.step}/{args.steps}: held out " + ", ".join(
-            f"head {i} top1 {held[f'top1_{i}']:.4f}" for i in range(args.num_heads) if f"top1_{i}" in held))
+            f"head {i} top1 {scores[f'top1_{i}']:.4f}" for i in range(args.num_heads) if f"top1_{i}" in scores))
 
     heads.train()
     run_steps(opt, params, start=start_step, stop=stop, save_every=args.save_every, grad_clip=args.grad_clip,
@@ -235,7 +238,7 @@ def write_heads(out: Path, heads: MedusaHeads, record: dict[str, Any], args: Med
     """The heads in Medusa's layout (config.json + medusa_lm_head.safetensors) and CARD.md."""
     cpu = copy.deepcopy(heads).to("cpu")
     cpu.to(SAVE_DTYPES[args.save_dtype])  # floating tensors only: draft_vocab stays int64
-    summary = {k: record[k] for k in ("format", "step", "train_s", "corpus", "draft_vocab", "eval_initial")}
+    summary = {k: record[k] for k in ("format", "step", "train_s", "corpus", "windows", "draft_vocab", "eval_initial")}
     summary |= {"steps": args.steps, "eval_final": record["history"][-1]["eval"] if record["history"] else None,
                 "target": args.target, "data": args.data, "sessions": record["sessions"]}
     cpu.save(out, extra_config={"specroute_training": summary})
@@ -279,7 +282,7 @@ drafters:
 {sources}
 
 Training windows of at most {args.seq_len} positions: {record['windows']['train']} trained on,
-{record['windows']['held_out']} held out (never trained on) for the numbers below.
+{held_out_note(record)}
 
 ## Draft vocabulary and objective
 

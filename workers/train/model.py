@@ -45,12 +45,13 @@ from workers.train.common import (
     check_resume,
     cosine_lr,
     draft_vocab_of,
+    held_out_note,
+    held_out_split,
     load_state,
     new_record,
     record_checkpoint,
     resumed_record,
     run_steps,
-    split_windows,
     target_features,
     train_device,
     warmup_steps,
@@ -85,6 +86,7 @@ class ModelTrainArgs:
     save_every: int = 500
     stop_at: int | None = None
     eval_windows: int = 32
+    eval_data: str | None = None  # sources of separate held-out text (default: a share of --data's windows)
     save_dtype: str = "float32"
     resume: bool = False
     command: str = ""
@@ -95,7 +97,7 @@ class ModelTrainArgs:
 
 RESUME_MUST_MATCH = ("target", "data", "features", "max_tokens", "draft_vocab", "chunk_len", "num_layers",
                      "init_layers", "batch", "seq_len", "lr", "warmup", "weight_decay", "grad_clip", "seed",
-                     "eval_windows")
+                     "eval_windows", "eval_data")
 
 
 def parse_layers(spec: str | None, num_layers: int) -> list[int] | None:
@@ -232,7 +234,7 @@ def train_model(args: ModelTrainArgs, log: Callable[[str], None] = print) -> dic
     trainable = Trainable(student)
     params = [p for p in trainable.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=BETAS, weight_decay=args.weight_decay)
-    held_out, train_windows = split_windows(fs.windows(args.seq_len), args.eval_windows, args.seed)
+    held, train_windows = held_out_split(model, loaded.tokenizer, state_dir, fs, args, log)
     if not train_windows:
         raise TrainError(f"--data {args.data}: too little text to train on ({fs.num_tokens} tokens)")
 
@@ -240,8 +242,8 @@ def train_model(args: ModelTrainArgs, log: Callable[[str], None] = print) -> dic
         load_state(state_dir, trainable, opt)
         record = resumed_record(saved, asdict(args), args.command)
     else:
-        record = new_record(FORMAT, args, fs, (held_out, train_windows), vocab, coverage, model.info.vocab_size,
-                            evaluate(student, head_t, fs, held_out, args.batch, device))
+        record = new_record(FORMAT, args, fs, held, train_windows, vocab, coverage, model.info.vocab_size,
+                            evaluate(student, head_t, held.fs, held.windows, args.batch, device))
         record["init_layers"] = layers
 
     start_step, stop = record["step"], min(args.steps, args.stop_at or args.steps)
@@ -251,12 +253,12 @@ def train_model(args: ModelTrainArgs, log: Callable[[str], None] = print) -> dic
         entry: dict[str, Any] = {"step": cp.step, "epoch": round(batcher.epoch_of(cp.step), 4)}
         if cp.train:
             entry["train"] = cp.train
-        entry["eval"] = evaluate(student, head_t, fs, held_out, args.batch, device)
+        entry["eval"] = evaluate(student, head_t, held.fs, held.windows, args.batch, device)
         record_checkpoint(record, entry, cp.train_s, state_dir, trainable, opt)
         write_drafter(out, student, vocab, record, args, loaded.tokenizer)
-        held = entry["eval"] or {}
-        log(f"step {cp.step}/{args.steps}: held out KL {held.get('loss', float('nan')):.4f}, "
-            f"top-1 agreement {held.get('top1', float('nan')):.4f}")
+        scores = entry["eval"] or {}
+        log(f"step {cp.step}/{args.steps}: held out KL {scores.get('loss', float('nan')):.4f}, "
+            f"top-1 agreement {scores.get('top1', float('nan')):.4f}")
 
     student.train()
     run_steps(opt, params, start=start_step, stop=stop, save_every=args.save_every, grad_clip=args.grad_clip,
@@ -279,7 +281,7 @@ def write_drafter(out: Path, student: PreTrainedModel, vocab: torch.Tensor | Non
     cfg = copy.deepcopy(student.config)
     setattr(cfg, SHARED_EMBEDDINGS_KEY, True)
     cfg.dtype = args.save_dtype
-    summary = {k: record[k] for k in ("format", "step", "train_s", "init_layers", "corpus", "draft_vocab",
+    summary = {k: record[k] for k in ("format", "step", "train_s", "init_layers", "corpus", "windows", "draft_vocab",
                                       "eval_initial")}
     summary |= {"steps": args.steps, "eval_final": record["history"][-1]["eval"] if record["history"] else None,
                 "target": args.target, "data": args.data, "sessions": record["sessions"]}
@@ -328,7 +330,7 @@ In transformers (e.g. as `assistant_model`), give it the target's embeddings fir
 {sources}
 
 Training windows of at most {args.seq_len} positions: {record['windows']['train']} trained on,
-{record['windows']['held_out']} held out (never trained on) for the numbers below.
+{held_out_note(record)}
 
 ## Draft vocabulary and objective
 
