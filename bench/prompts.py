@@ -29,10 +29,12 @@ class BenchPrompt:
 
 def load_prompts(
     path: Path, per_category: int, categories: list[str] | None = None, heldout_mod: int | None = None,
+    train_split: bool = False,
 ) -> list[BenchPrompt]:
     """The first `per_category` questions of each category, categories in file order;
     `categories` keeps only those (every name must exist in the file); `heldout_mod` keeps only
-    the held-out split the classifier never trained on (question_id % heldout_mod == 0)."""
+    the held-out split the classifier never trained on (question_id % heldout_mod == 0), or with
+    `train_split` only the rest."""
     if per_category <= 0:
         raise ValueError(f"per_category must be positive, got {per_category}")
     by_category: dict[str, list[BenchPrompt]] = {}
@@ -45,7 +47,7 @@ def load_prompts(
         except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
             reason = f"{type(e).__name__}: {e}"
             raise ValueError(f"{path}:{lineno}: not a Spec-Bench question ({reason})") from None
-        if heldout_mod is None or is_heldout(_int_or_none(prompt.question_id), heldout_mod):
+        if heldout_mod is None or is_heldout(_int_or_none(prompt.question_id), heldout_mod) != train_split:
             by_category.setdefault(prompt.category, []).append(prompt)
 
     wanted = list(by_category)

@@ -5,6 +5,8 @@
 - `first_two_tokens_joint` / `assert_follows_joint`: the seeded statistical check that sampled
   speculative decoding keeps the target's exact joint distribution of its first two tokens;
   `TwoTokenCase` sets it up the way every drafter's test uses it.
+- `write_eagle` / `write_medusa_heads`: random EAGLE and Medusa checkpoints for the tiny target.
+- `chain_accepts`: what a greedy k = 1 chain accepts, given bench/agreement.py's per-position hits.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,8 @@ import yaml
 from scipy.stats import chisquare
 
 from workers.config import EngineConfig
+from workers.drafters.eagle import EagleConfig, EagleNet
+from workers.drafters.medusa import MedusaConfig, MedusaHeads
 from workers.engine import GenerationResult, SpecEngine
 from workers.models.base import CausalLM
 from workers.sampling import SamplingParams, probs_from_logits
@@ -180,3 +184,54 @@ class TwoTokenCase:
         """`assert_follows_joint` over `engine` drafting k tokens with `drafter`; the results."""
         return assert_follows_joint(self.joint, num_trials, lambda seed: engine.generate(
             self.prompt, SamplingParams(seed=seed, **TWO_TOKEN_PARAMS), drafter, k))
+
+
+def tiny_eagle_config(engine: SpecEngine, draft_vocab: list[int] | None = None) -> EagleConfig:
+    m = engine.target.model
+    return EagleConfig(
+        hidden_size=m.info.hidden_size, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
+        intermediate_size=2 * m.info.hidden_size, vocab_size=m.info.vocab_size,
+        draft_vocab_size=None if draft_vocab is None else len(draft_vocab),
+    )
+
+
+def write_eagle(out: Path, engine: SpecEngine, draft_vocab: list[int] | None = None, seed: int = 0) -> Path:
+    """A random EAGLE head whose draft head starts as the target's lm_head rows, so it proposes
+    tokens the target likes now and then (acceptance between none and all)."""
+    torch.manual_seed(seed)
+    net = EagleNet(tiny_eagle_config(engine, draft_vocab))
+    if draft_vocab is not None:
+        ids = torch.tensor(draft_vocab)
+        net.draft_vocab.copy_(ids)
+        net.lm_head.weight.data.copy_(engine.target.model.lm_head.w_t.t()[ids])
+    net.save(out)
+    return out
+
+
+def write_medusa_heads(out: Path, engine: SpecEngine, draft_vocab: list[int] | None = None, num_heads: int = 3,
+                seed: int = 0) -> Path:
+    """Random residual blocks (Medusa's zero init would make every head repeat the target's
+    next token); a shared reduced head starts as the target's lm_head rows."""
+    m = engine.target.model
+    cfg = MedusaConfig(num_heads, 1, m.info.hidden_size, m.info.vocab_size,
+                       draft_vocab_size=None if draft_vocab is None else len(draft_vocab))
+    torch.manual_seed(seed)
+    heads = MedusaHeads(cfg)
+    for p in heads.heads.parameters():
+        p.data.normal_(0.0, 0.05)
+    if draft_vocab is not None:
+        ids = torch.tensor(draft_vocab)
+        heads.draft_vocab.copy_(ids)
+        heads.lm_head.weight.data.copy_(m.lm_head.w_t.t()[ids])
+    heads.save(out)
+    return out
+
+
+def chain_accepts(hits: Sequence[bool], cut_by_max_tokens: bool) -> int:
+    """Drafts a greedy k = 1 chain accepts along an answer whose per-position top-1 hits are
+    `hits` (bench/agreement.py): a hit moves two tokens on (the draft and the bonus), a miss one.
+    An answer cut by max_tokens has its last token from a plain step (no room for a bonus)."""
+    accepted, t, end = 0, 0, len(hits) - cut_by_max_tokens
+    while t < end:
+        accepted, t = (accepted + 1, t + 2) if hits[t] else (accepted, t + 1)
+    return accepted

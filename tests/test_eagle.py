@@ -9,38 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TwoTokenCase
+from helpers import TwoTokenCase, write_eagle
 from safetensors.torch import save_file
 
 from workers.config import EagleDrafterConfig, EngineConfig, NgramDrafterConfig, TreeConfig
-from workers.drafters.eagle import EagleConfig, EagleNet
 from workers.engine import SpecEngine
 from workers.sampling import SamplingParams
 from workers.target import ModelLoadError
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Write a haiku about spring rain.", "x = 1\ny = 2\n"]
-
-
-def tiny_eagle_config(engine: SpecEngine, draft_vocab: list[int] | None = None) -> EagleConfig:
-    m = engine.target.model
-    return EagleConfig(
-        hidden_size=m.info.hidden_size, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
-        intermediate_size=2 * m.info.hidden_size, vocab_size=m.info.vocab_size,
-        draft_vocab_size=None if draft_vocab is None else len(draft_vocab),
-    )
-
-
-def write_eagle(out: Path, engine: SpecEngine, draft_vocab: list[int] | None = None, seed: int = 0) -> Path:
-    """A random EAGLE head whose draft head starts as the target's lm_head rows, so it proposes
-    tokens the target likes now and then (acceptance between none and all)."""
-    torch.manual_seed(seed)
-    net = EagleNet(tiny_eagle_config(engine, draft_vocab))
-    if draft_vocab is not None:
-        ids = torch.tensor(draft_vocab)
-        net.draft_vocab.copy_(ids)
-        net.lm_head.weight.data.copy_(engine.target.model.lm_head.w_t.t()[ids])
-    net.save(out)
-    return out
 
 
 def engine_with(tiny_engine: SpecEngine, path: Path, name: str = "eagle", tree: TreeConfig | None = None) -> SpecEngine:

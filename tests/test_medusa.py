@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TwoTokenCase
+from helpers import TwoTokenCase, write_medusa_heads
 from safetensors.torch import save_file
 
 from workers.config import EngineConfig, MedusaDrafterConfig, TreeConfig
@@ -21,25 +21,6 @@ from workers.target import ModelLoadError
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Write a haiku about spring rain.", "x = 1\ny = 2\n"]
 
 
-def write_heads(out: Path, engine: SpecEngine, draft_vocab: list[int] | None = None, num_heads: int = 3,
-                seed: int = 0) -> Path:
-    """Random residual blocks (Medusa's zero init would make every head repeat the target's
-    next token); a shared reduced head starts as the target's lm_head rows."""
-    m = engine.target.model
-    cfg = MedusaConfig(num_heads, 1, m.info.hidden_size, m.info.vocab_size,
-                       draft_vocab_size=None if draft_vocab is None else len(draft_vocab))
-    torch.manual_seed(seed)
-    heads = MedusaHeads(cfg)
-    for p in heads.heads.parameters():
-        p.data.normal_(0.0, 0.05)
-    if draft_vocab is not None:
-        ids = torch.tensor(draft_vocab)
-        heads.draft_vocab.copy_(ids)
-        heads.lm_head.weight.data.copy_(m.lm_head.w_t.t()[ids])
-    heads.save(out)
-    return out
-
-
 def engine_with(tiny_engine: SpecEngine, **paths: Path) -> SpecEngine:
     drafters = [MedusaDrafterConfig(name=name, path=str(path)) for name, path in paths.items()]
     return SpecEngine.from_config(EngineConfig(target=tiny_engine.config.target, drafters=drafters))
@@ -49,8 +30,8 @@ def engine_with(tiny_engine: SpecEngine, **paths: Path) -> SpecEngine:
 def medusa_engine(tiny_engine: SpecEngine, tmp_path_factory: pytest.TempPathFactory) -> SpecEngine:
     return engine_with(
         tiny_engine,
-        medusa=write_heads(tmp_path_factory.mktemp("medusa"), tiny_engine),
-        medusa_small=write_heads(tmp_path_factory.mktemp("medusa-small"), tiny_engine, list(range(0, 4000, 3))),
+        medusa=write_medusa_heads(tmp_path_factory.mktemp("medusa"), tiny_engine),
+        medusa_small=write_medusa_heads(tmp_path_factory.mktemp("medusa-small"), tiny_engine, list(range(0, 4000, 3))),
     )
 
 
@@ -68,7 +49,7 @@ def test_greedy_identical_to_plain(medusa_engine: SpecEngine, drafter: str, k: i
 @pytest.mark.parametrize("k", [1, 3])
 def test_tree_greedy_identical_to_plain(medusa_engine: SpecEngine, tmp_path: Path, k: int) -> None:
     """Medusa's candidate tree: head d's top candidates at depth d + 1, under every kept parent."""
-    path = write_heads(tmp_path / "medusa", medusa_engine)
+    path = write_medusa_heads(tmp_path / "medusa", medusa_engine)
     engine = SpecEngine.from_config(EngineConfig(target=medusa_engine.config.target, drafters=[
         MedusaDrafterConfig(name="medusa", path=str(path), tree=TreeConfig(topk=3, nodes=9))]))
     for text in TEXTS:
@@ -103,7 +84,7 @@ def test_sampled_output_follows_target_distribution(tiny_engine: SpecEngine, tmp
     from the prompt's second-to-last feature; both tokens are checked)."""
     case = TwoTokenCase.of(tiny_engine)
     vocab = case.draft_vocab(tiny_engine.target.model.info.vocab_size)
-    engine = engine_with(tiny_engine, medusa=write_heads(tmp_path / "m", tiny_engine, vocab))
+    engine = engine_with(tiny_engine, medusa=write_medusa_heads(tmp_path / "m", tiny_engine, vocab))
     results = case.check(engine, "medusa", 1, 600)
     assert sum(r.num_draft_tokens for r in results) > 0
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import chain_accepts
 
+from bench.agreement import position_hits
 from policies.paths import REPO_ROOT
 from workers.config import EagleDrafterConfig, MedusaDrafterConfig, ModelConfig, ModelDrafterConfig, TreeConfig
 from workers.drafters.registry import build_drafter
@@ -155,3 +157,18 @@ def test_plain_decoding_stops_at_eos_within_budget(real_engine: SpecEngine, prom
         else:
             assert len(result.token_ids) == MAX_TOKENS
     assert any(run(real_engine, prompt_ids, name).finish_reason == "stop" for name in IDS)
+
+
+@pytest.mark.parametrize("drafter", ["distilled", "eagle", "medusa"])
+def test_teacher_forced_agreement_is_what_a_k1_chain_accepts(shipped_engine: SpecEngine, real_engine: SpecEngine,
+                                                             prompt_ids: dict[str, list[int]], drafter: str) -> None:
+    """bench/agreement.py's top-1 hits, walked as a k = 1 chain walks (a hit moves two tokens on,
+    a miss one), give what speculative decoding with k = 1 accepts."""
+    predicted = accepted = 0
+    for name in ("coding0", "rag0"):
+        plain = run(real_engine, prompt_ids, name)
+        hits, _ = position_hits(shipped_engine, shipped_engine.drafters[drafter], prompt_ids[name], plain.token_ids)
+        predicted += chain_accepts(hits[:, 0].tolist(), plain.finish_reason == "length")
+        accepted += shipped_engine.generate(prompt_ids[name], SamplingParams(max_tokens=MAX_TOKENS), drafter,
+                                            1).num_accepted_tokens
+    assert predicted == accepted > 0
