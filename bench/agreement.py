@@ -3,7 +3,7 @@
 A greedy k = 1 chain accepts its draft exactly when the drafter's argmax after the target's newest
 (bonus) token is the target's next token. Teacher forcing asks that at every position of the
 target's greedy answer in one forward per drafter, so it measures what limits every chain and tree
-(the first draft position) per domain in about a minute, with no speculative decoding run; top-4
+(the first draft position) per domain in minutes, with no speculative decoding run; top-4
 and top-10 bound what a tree's first level (topk 4 or 10) can accept. Splitting by the target's own
 confidence separates "the target's choice is a near tie" from "the drafter does not know":
 
