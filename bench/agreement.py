@@ -32,11 +32,11 @@ from workers.drafters.medusa import MedusaDrafter
 from workers.drafters.model import ModelDrafter
 from workers.engine import SpecEngine
 from workers.sampling import SamplingParams
+from workers.train.corpus import HELDOUT_MOD
 
 SUPPORTED = (EagleDrafter, MedusaDrafter, ModelDrafter)  # the kinds with a model to teacher force
 CONFIDENT = 0.8  # the target's top probability above which a position counts as confident
 TOP_K = (1, 4, 10)
-HELDOUT_MOD = 5
 
 
 @dataclass

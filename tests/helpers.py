@@ -209,7 +209,7 @@ def write_eagle(out: Path, engine: SpecEngine, draft_vocab: list[int] | None = N
 
 
 def write_medusa_heads(out: Path, engine: SpecEngine, draft_vocab: list[int] | None = None, num_heads: int = 3,
-                seed: int = 0) -> Path:
+                       seed: int = 0) -> Path:
     """Random residual blocks (Medusa's zero init would make every head repeat the target's
     next token); a shared reduced head starts as the target's lm_head rows."""
     m = engine.target.model

@@ -29,9 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from policies.classifier import is_heldout
-from workers.train.corpus import SPEC_BENCH, CorpusError, _normalize, spec_bench_prompts
-
-DEFAULT_HELDOUT_MOD = 5
+from workers.train.corpus import HELDOUT_MOD, SPEC_BENCH, CorpusError, _normalize, spec_bench_prompts
 
 
 @dataclass(frozen=True)
@@ -41,7 +39,7 @@ class PromptRow:
     prompt: str
 
 
-def read_prompts(paths: Sequence[Path], heldout_mod: int = DEFAULT_HELDOUT_MOD, limit: int | None = None,
+def read_prompts(paths: Sequence[Path], heldout_mod: int = HELDOUT_MOD, limit: int | None = None,
                  spec_bench: Path = SPEC_BENCH) -> tuple[list[PromptRow], int]:
     """(prompts, number of held-out Spec-Bench questions skipped), in file order, duplicates dropped."""
     banned = spec_bench_prompts(spec_bench, heldout_mod)

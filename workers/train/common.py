@@ -255,9 +255,8 @@ def held_out_note(record: dict[str, Any]) -> str:
     """The card's sentence on the held-out windows: how many, and where from."""
     w = record["windows"]
     origin = w.get("held_out_from", SHARE_OF_CORPUS)
-    tokens = sum(s.get("tokens", 0) for s in w.get("held_out_sources", {}).values())
-    if origin.startswith("--eval-data"):
-        origin = f"`{origin}`, a separate corpus of {tokens} tokens"
+    if (sources := w.get("held_out_sources")) is not None:  # --eval-data: a corpus of its own
+        origin = f"`{origin}`, a separate corpus of {sum(s['tokens'] for s in sources.values())} tokens"
     return f"{w['held_out']} held out (never trained on; {origin}) for the numbers below."
 
 
