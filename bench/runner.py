@@ -17,19 +17,20 @@ from pathlib import Path
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
+from bench.concurrency import Request, as_json, check_concurrency_methods, concurrency_section, plot_throughput, run_levels
 from bench.lossless import find_mismatches
 from bench.machine import machine_info
 from bench.methods import HF_METHODS, ROUTER_METHOD, assistant_config, build_methods, check_methods
 from bench.prompts import load_prompts
 from bench.records import RunRecord
-from bench.report import write_report
+from bench.report import machine_section, write_report
 from bench.summary import summarize
 from bench.verify_cost import DEFAULT_KS, DEFAULT_REPS, measure_verify_curve
 from policies.schema import load_policy
 from policies.stats import MemoryStats
 from workers.config import EngineConfig, RoutingConfig
 from workers.engine import SpecEngine
-from workers.routing import Router, measure_costs
+from workers.routing import Router, measure_batch_cost, measure_costs
 from workers.sampling import SamplingParams
 from workers.target import load_hf
 
@@ -52,11 +53,62 @@ class BenchArgs:
     verify_reps: int = DEFAULT_REPS
     routing: RoutingConfig = field(default_factory=RoutingConfig)  # the router method's policy
     heldout_mod: int | None = None  # keep question_id % N == 0 only: the classifier's held-out split
+    concurrency: list[int] | None = None  # closed-loop client counts: the concurrency run instead
+
+
+def run_concurrency_bench(args: BenchArgs) -> dict:
+    """The concurrency run (bench/concurrency.py): DIR/results.json with summary.concurrency,
+    DIR/report.md and DIR/throughput.png."""
+    assert args.concurrency
+    methods = check_concurrency_methods(args.methods, [d.name for d in args.config.drafters])
+    prompts = load_prompts(args.prompts, args.per_category, args.categories, args.heldout_mod)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    engine = SpecEngine.from_config(args.config)
+    requests = [Request(p, engine.encode(p.text)) for p in prompts]
+    for r in requests:
+        try:
+            engine.check_request(r.prompt_ids, params)
+        except ValueError as e:
+            raise ValueError(f"question {r.prompt.question_id} ({r.prompt.category}): {e}") from None
+    router = None
+    if "router" in methods:
+        policy = load_policy(args.routing.policy_path())
+        costs = measure_costs(engine) if args.routing.calibrate else None
+        batch_cost = measure_batch_cost(engine) if args.routing.calibrate else None
+        router = Router(engine, policy, MemoryStats(), costs=costs, seed=args.routing.seed, batch_cost=batch_cost)
+    warm = requests[: max(0, args.warmup)]
+    if warm:  # every method once, unmeasured
+        run_levels(engine, router, warm, methods, [1], args.max_tokens,
+                   [engine.generate(r.prompt_ids, params).token_ids for r in warm])
+    reference = [engine.generate(r.prompt_ids, params).token_ids for r in requests]
+    summary = as_json(run_levels(engine, router, requests, methods, args.concurrency, args.max_tokens, reference))
+    results = {
+        "target": engine.target.name, "device": str(engine.target.model.device), "max_tokens": args.max_tokens,
+        "num_prompts": len(requests), "methods": methods,
+        "scheduler": engine.config.scheduler.model_dump(),
+        "summary": {"concurrency": summary}, "machine": machine_info(), "command": args.command,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    plot_throughput(summary, args.out / "throughput.png")
+    lines = [
+        "# SpecRoute benchmark under concurrency", "",
+        f"Target `{results['target']}` on {results['device']}; {len(requests)} prompts; greedy, at most "
+        f"{args.max_tokens} new tokens; closed loop (each client sends its next prompt when its last one "
+        f"finishes); scheduler {results['scheduler']}.", "",
+        *concurrency_section(summary), "", "![throughput](throughput.png)", "",
+        "## Machine", "", *machine_section(results["machine"]), "",
+        "## Command", "", "```", args.command, "```", "",
+    ]
+    (args.out / "report.md").write_text("\n".join(lines))
+    return results
 
 
 def run_bench(args: BenchArgs) -> dict:
     """Run the benchmark, write DIR/results.json, DIR/report.md and the plots; return the results.
     A bad method, category or prompt raises ValueError before any timing starts."""
+    if args.concurrency:
+        return run_concurrency_bench(args)
     # cheap checks first: a typo must not cost a model load
     methods = check_methods(args.methods, args.config)
     prompts = load_prompts(args.prompts, args.per_category, args.categories, args.heldout_mod)

@@ -380,3 +380,84 @@ class StatsSnapshot:
             window_s=data.get("window_s"),
             degraded=bool(data.get("degraded", False)),
         )
+
+
+# -- continuous batching: a replica's scheduler, observed -----------------------------------------
+
+BATCH_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64)
+STEP_TOKENS_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass(frozen=True)
+class CountHistogram:
+    """Counts per bucket (upper edges inclusive, then +Inf) and the sum of what was observed."""
+
+    edges: tuple[float, ...]
+    counts: tuple[int, ...] = ()
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            object.__setattr__(self, "counts", (0,) * (len(self.edges) + 1))
+        if len(self.counts) != len(self.edges) + 1:
+            raise ValueError(f"{len(self.edges)} edges need {len(self.edges) + 1} counts, got {len(self.counts)}")
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def observe(self, value: float) -> CountHistogram:
+        i = bisect.bisect_left(self.edges, value)
+        counts = list(self.counts)
+        counts[i] += 1
+        return CountHistogram(self.edges, tuple(counts), self.total + value)
+
+    def __add__(self, other: CountHistogram) -> CountHistogram:
+        if self.edges != other.edges:
+            raise ValueError("histograms with different buckets do not add")
+        return CountHistogram(self.edges, tuple(a + b for a, b in zip(self.counts, other.counts)), self.total + other.total)
+
+
+@dataclass(frozen=True)
+class BatchingStats:
+    """A replica's continuous batching: queue lengths now, and per step since it started the
+    requests in the forward, the rows it ran, the tokens it emitted and its seconds."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    batch_size: CountHistogram = CountHistogram(BATCH_SIZE_BUCKETS)
+    step_tokens: CountHistogram = CountHistogram(STEP_TOKENS_BUCKETS)
+    num_emitted: int = 0
+    step_s: float = 0.0
+
+    @property
+    def goodput(self) -> float | None:
+        """Tokens emitted per second of target steps."""
+        return self.num_emitted / self.step_s if self.step_s > 0 else None
+
+    @property
+    def mean_batch_size(self) -> float | None:
+        return self.batch_size.total / self.batch_size.count if self.batch_size.count else None
+
+    def step(self, batch_size: int, num_rows: int, num_emitted: int, step_s: float) -> BatchingStats:
+        return BatchingStats(self.num_running, self.num_waiting, self.batch_size.observe(batch_size),
+                             self.step_tokens.observe(num_rows), self.num_emitted + num_emitted, self.step_s + step_s)
+
+    def __add__(self, other: BatchingStats) -> BatchingStats:
+        return BatchingStats(self.num_running + other.num_running, self.num_waiting + other.num_waiting,
+                             self.batch_size + other.batch_size, self.step_tokens + other.step_tokens,
+                             self.num_emitted + other.num_emitted, self.step_s + other.step_s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"num_running": self.num_running, "num_waiting": self.num_waiting,
+                "batch_size": [list(self.batch_size.counts), self.batch_size.total],
+                "step_tokens": [list(self.step_tokens.counts), self.step_tokens.total],
+                "num_emitted": self.num_emitted, "step_s": self.step_s}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> BatchingStats:
+        (bs, bs_total), (st, st_total) = data["batch_size"], data["step_tokens"]
+        return cls(int(data["num_running"]), int(data["num_waiting"]),
+                   CountHistogram(BATCH_SIZE_BUCKETS, tuple(bs), float(bs_total)),
+                   CountHistogram(STEP_TOKENS_BUCKETS, tuple(st), float(st_total)),
+                   int(data["num_emitted"]), float(data["step_s"]))

@@ -322,6 +322,10 @@ class StepController:
         # the other requests of the replica (policies/cost.py), set before each step by the caller
         self.load: RoundLoad = ALONE
 
+    def knows(self, drafter: str) -> bool:
+        """Whether this request has an acceptance estimate for `drafter` (its plan's candidates)."""
+        return drafter in self._prior
+
     def estimate(self, drafter: str) -> Acceptance:
         return self._prior[drafter].update(self._local[drafter].counts())
 

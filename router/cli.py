@@ -34,6 +34,16 @@ def _comma_list(value: str, flag: str) -> list[str]:
     return items
 
 
+def _levels(value: str) -> list[int]:
+    """--concurrency: positive client counts, ascending, each once."""
+    levels = []
+    for item in _comma_list(value, "--concurrency"):
+        if not item.isdigit() or int(item) < 1:
+            raise CLIError(f"--concurrency: {item!r} is not a positive number of clients")
+        levels.append(int(item))
+    return sorted(set(levels))
+
+
 def _existing_file(path: Path, flag: str) -> Path:
     if not path.is_file():
         raise CLIError(f"{flag}: no file {path}")
@@ -160,6 +170,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         categories=args.categories.split(",") if args.categories else None,
         warmup=args.warmup, verify_curve=not args.no_verify_curve, command=" ".join(sys.argv),
         routing=routing_config(args.policy), heldout_mod=args.heldout_mod,
+        concurrency=_levels(args.concurrency) if args.concurrency is not None else None,
     )
     try:
         run_bench(bench_args)
@@ -354,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--policy", type=Path, default=None, help="routing policy YAML of the router method")
     bench.add_argument("--heldout-mod", type=_positive_int, default=None,
                        help="only question_id %% N == 0: the split the classifier never trained on")
+    bench.add_argument("--concurrency", default=None, metavar="C1,C2,...",
+                       help="closed-loop client counts: run the methods (plain, drafters, router, plain-serial) "
+                            "under concurrent load instead, and report throughput and latency per level")
     bench.set_defaults(func=cmd_bench)
 
     load = sub.add_parser("load", help="concurrent streaming clients against a running server")

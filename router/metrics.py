@@ -10,7 +10,7 @@ label cardinality is bounded by configuration, not by traffic.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -45,6 +45,7 @@ class SpecRouteCollector:
         yield from self._routing()
         yield from self._speedup()
         yield from self._histograms()
+        yield from self._batching()
         yield from self._store()
 
     def _spec_decode(self) -> Iterator[Metric]:
@@ -121,6 +122,26 @@ class SpecRouteCollector:
                     family.add_metric([value], _buckets(hist), hist.sum_s)
             yield family
 
+    def _batching(self) -> Iterator[Metric]:
+        b = self.obs.batching
+        running = GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests in the running batch")
+        running.add_metric([], b.num_running)
+        waiting = GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests waiting to be admitted to the batch")
+        waiting.add_metric([], b.num_waiting)
+        yield from (running, waiting)
+        for name, hist, help_ in (
+            ("batch_size", b.batch_size, "Requests in one target forward (decoding or prefilling), per step"),
+            ("step_tokens", b.step_tokens, "Target rows (tokens) in one forward, per step"),
+        ):
+            family = HistogramMetricFamily(f"{PREFIX}{name}", help_)
+            family.add_metric([], _cumulative(hist.edges, hist.counts), hist.total)
+            yield family
+        if (goodput := b.goodput) is not None:
+            gauge = GaugeMetricFamily(f"{PREFIX}goodput_tokens_per_second",
+                                      "Tokens emitted per second of target steps, since the replicas started")
+            gauge.add_metric([], goodput)
+            yield gauge
+
     def _store(self) -> Iterator[Metric]:
         health, labels = self.obs.store, ["backend"]
         connected = GaugeMetricFamily(f"{PREFIX}stats_store_connected",
@@ -139,9 +160,13 @@ class SpecRouteCollector:
 
 
 def _buckets(hist: Histogram) -> list[tuple[str, float]]:
+    return _cumulative(LATENCY_BUCKETS_S, hist.counts)
+
+
+def _cumulative(edges: Sequence[float], counts: Sequence[int]) -> list[tuple[str, float]]:
     """Cumulative (le, count) pairs ending with +Inf, as Prometheus histograms expose them."""
     out, total = [], 0
-    for edge, n in zip((*LATENCY_BUCKETS_S, float("inf")), hist.counts):
+    for edge, n in zip((*edges, float("inf")), counts):
         total += n
         out.append((floatToGoString(edge), total))
     return out

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from policies.records import StatsSnapshot
+from policies.records import BatchingStats, StatsSnapshot
 from policies.stats import SeriesPoint, StoreHealth
 
 
@@ -39,6 +39,7 @@ class Observation:
     measured_speedup: Mapping[str, float | None]  # domain -> over the window
     store: StoreHealth
     series: tuple[SeriesPoint, ...] = ()  # one per store time bucket of the window, oldest first
+    batching: BatchingStats = BatchingStats()  # the replica's scheduler (replicas add up)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Observation:
@@ -57,6 +58,7 @@ class Observation:
             store=StoreHealth(**data["store"]),
             series=tuple(SeriesPoint(p["start_s"], p["bucket_s"], StatsSnapshot.from_json(p["snapshot"]))
                          for p in data.get("series", ())),
+            batching=BatchingStats.from_json(data["batching"]) if "batching" in data else BatchingStats(),
         )
 
 

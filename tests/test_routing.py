@@ -24,7 +24,7 @@ from policies.stats import MemoryStats, RedisStats
 from workers.config import ModelDrafterConfig, TreeConfig
 from workers.drafters.registry import build_drafter
 from workers.engine import RequestError, SpecEngine
-from workers.routing import RoutedGeneration, Router, Speculation, generate, measure_costs, round_load
+from workers.routing import RoutedGeneration, Router, Speculation, generate, measure_costs
 from workers.sampling import SamplingParams
 
 TEXTS = [
@@ -332,10 +332,3 @@ def test_watched_policy_file_reloads_and_a_bad_one_is_refused(router: Router, tm
     assert not router.reload_if_changed(now=124.0) and router.policy.version == "test-3"
     path.unlink()  # a vanished file is a change that fails to load: the policy stays
     assert not router.reload_if_changed(now=130.0) and router.policy.version == "test-3"
-
-
-def test_round_load_is_the_other_requests_latest_steps_in_plain_steps() -> None:
-    assert round_load([(3, 0.08), None, (1, 0.04)], plain_s=0.04) == RoundLoad(tokens=4, plain_steps=pytest.approx(3.0))
-    assert round_load([], plain_s=0.04) == ALONE  # alone on the replica
-    assert round_load([None], plain_s=0.04) == ALONE  # the other has not stepped yet
-    assert round_load([(3, 0.08)], plain_s=None) == ALONE  # no measured plain step: no unit to count in

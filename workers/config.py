@@ -154,8 +154,19 @@ DrafterConfig = Annotated[
 ]
 
 
+class SchedulerConfig(_Strict):
+    """Continuous batching (workers/batch.py): the running requests share each target forward."""
+
+    max_num_seqs: int = Field(16, ge=1, description="requests running at once; each holds one KV slot of "
+                                                     "max_model_len positions (memory is mapped as it is written)")
+    max_num_batched_tokens: int = Field(
+        256, ge=1, description="target rows per step: every running request's [last token + draft] first, "
+                               "then prompt chunks of the requests still prefilling fill what is left")
+
+
 class EngineConfig(_Strict):
     target: TargetConfig = TargetConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
     drafters: list[DrafterConfig] = Field(default_factory=lambda: [NgramDrafterConfig()])
     max_draft_len: int = Field(MAX_DRAFT_LEN, ge=1, description="upper bound on k for any drafter")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")

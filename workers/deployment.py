@@ -1,11 +1,12 @@
-"""Ray Serve deployment of the target: one SpecEngine per replica, requests interleaved step by step.
+"""Ray Serve deployment of the target: one SpecEngine per replica, its requests batched continuously.
 
 The one Ray module in workers/. Concurrent requests on a replica share one background task, the
-step loop: it admits new requests (encode + prefill), then advances every active Generation by one
-speculative step, round-robin, and pushes each step's new tokens and text to that request's queue.
-All torch work runs on one engine thread, so the event loop stays free and no request waits for
-another to finish. A request whose consumer goes away is dropped and its Generation closed, by the
-loop, between steps.
+step loop: it admits new requests (encode, classify, plan; the prompt is prefilled in chunks by
+the batch's steps), then runs one batched step of every running request (workers/routing.py
+`RoutedBatch`: one target forward, each request with its own drafter and k) and pushes each
+request's new tokens and text to its queue. All torch work runs on one engine thread, so the
+event loop stays free. A request whose consumer goes away is dropped and its Generation closed,
+by the loop, between steps.
 
 The wire types (`GenerateRequest`, `Chunk`, `FinalStats`, `InvalidRequest`) are plain dataclasses
 without torch: the ingress imports this module without loading the engine, which is imported when a
@@ -28,11 +29,12 @@ from ray.serve.handle import DeploymentHandle
 
 from workers.config import EngineConfig, RoutingConfig
 
+from policies.records import BatchingStats
+
 if TYPE_CHECKING:
-    from policies.cost import RoundLoad
     from workers.drafters.remote import DraftCall, DraftReply
-    from workers.engine import SpecEngine
-    from workers.routing import RoutedGeneration, Router
+    from workers.engine import SpecEngine, StepStats
+    from workers.routing import RoutedBatch, RoutedGeneration, Router
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -140,7 +142,6 @@ class _Slot:
     num_sent_ids: int = 0
     sent_text: str = ""
     abandoned: bool = False  # set by the consumer when it stops reading (finished or cancelled)
-    last_step: tuple[int, float] | None = None  # (tokens emitted, seconds) of its latest step
 
 
 @serve.deployment(max_ongoing_requests=16, ray_actor_options={"num_cpus": 1})
@@ -173,9 +174,11 @@ class TargetWorker:
         store = make_stats_store(stats_url, **({} if stats_prefix is None else {"prefix": stats_prefix}))
         self.allowed_dirs = resolve_allowed_dirs(allowed_dirs or ())
         self.router: Router = routing.Router.from_config(self.engine, routing_config, store, self.allowed_dirs)
+        self.batch: RoutedBatch = routing.RoutedBatch(self.router)
+        self.batching = BatchingStats()  # this replica's steps, for /metrics and the dashboard
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specroute-engine")
         self._pending: deque[_Slot] = deque()
-        self._active: list[_Slot] = []
+        self._active: dict[RoutedGeneration, _Slot] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._num_finished = 0
@@ -225,7 +228,7 @@ class TargetWorker:
 
     def status(self) -> dict[str, int]:
         return {
-            "num_pending": len(self._pending), "num_active": len(self._active),
+            "num_pending": len(self._pending) + self.batch.num_waiting, "num_active": self.batch.num_running,
             "num_finished": self._num_finished, "num_cancelled": self._num_cancelled,
             "rss_bytes": psutil.Process().memory_info().rss,  # the soak tests watch it
         }
@@ -258,6 +261,8 @@ class TargetWorker:
             "outlook": [asdict(arm) for arm in outlook(window, policy, self.router.costs, self.engine.drafters)],
             "measured_speedup": {domain: measured_speedup(window, domain) for domain in policy.domains},
             "store": asdict(store.health()),
+            "batching": replace(self.batching, num_running=self.batch.num_running,
+                                num_waiting=self.batch.num_waiting + len(self._pending)).to_json(),
         }
         if include_series:
             out["series"] = [
@@ -314,7 +319,7 @@ class TargetWorker:
                 self._wake.clear()
                 await self._wake.wait()
             self.router.reload_if_changed()  # a stat() every few seconds at most
-            while self._pending:  # admit: encode + prefill
+            while self._pending:  # admit: encode, classify, plan; the batch's steps prefill
                 slot = self._pending.popleft()
                 if slot.abandoned:
                     continue
@@ -323,38 +328,22 @@ class TargetWorker:
                 except Exception as e:  # InvalidRequest, or a bug: the consumer raises it
                     slot.queue.put_nowait(e)
                     continue
-                self._active.append(slot)
-            for slot in list(self._active):  # one step each, round-robin
-                await self._advance(slot)
-
-    def _load_of(self, slot: _Slot) -> RoundLoad:
-        """The other active requests' latest steps: what this request's step length delays."""
-        costs = self.router.costs
-        return self._routing_mod.round_load([s.last_step for s in self._active if s is not slot],
-                                            costs.plain_s if costs else None)
-
-    async def _advance(self, slot: _Slot) -> None:
-        if slot.abandoned:
-            self._remove(slot)
-            self._num_cancelled += 1
-            await self._on_engine(self._close, slot)
-            return
-        try:
-            chunk = await self._on_engine(self._step, slot, self._load_of(slot))
-        except Exception as e:
-            log.exception("generation failed")
-            self._remove(slot)
-            slot.queue.put_nowait(RuntimeError(f"generation failed: {e!r}"))
-            await self._on_engine(self._close, slot)
-            return
-        slot.queue.put_nowait(chunk)
-        if chunk.finish_reason is not None:
-            self._remove(slot)
-            self._num_finished += 1
-
-    def _remove(self, slot: _Slot) -> None:
-        if slot in self._active:
-            self._active.remove(slot)
+                assert slot.gen is not None
+                self._active[slot.gen] = slot
+            for slot in [s for s in self._active.values() if s.abandoned]:
+                self._num_cancelled += 1
+                await self._on_engine(self._drop, slot)
+            if not self._active:
+                continue
+            try:
+                replies = await self._on_engine(self._step)
+            except Exception as e:  # a bug outside the per-request guards: the running requests fail
+                log.exception("batch step failed")
+                replies = [(slot, RuntimeError(f"generation failed: {e!r}")) for slot in list(self._active.values())]
+                for slot, _ in replies:
+                    await self._on_engine(self._drop, slot)
+            for slot, item in replies:
+                slot.queue.put_nowait(item)
 
     # -- on the engine thread -----------------------------------------------------------------
     def _admit(self, slot: _Slot) -> None:
@@ -373,16 +362,33 @@ class TargetWorker:
             raise InvalidRequest(str(e), str(e).split(" ", 1)[0]) from None
         speculation = self._routing_mod.Speculation(r.drafter, r.draft_len, r.domain)
         try:
-            slot.gen = self.router.start(prompt_ids, params, r.text, speculation)
+            slot.gen = self.batch.add(prompt_ids, params, r.text, speculation)
         except self._engine_mod.RequestError as e:
             param = {"prompt": r.prompt_param, "drafter": "speculation.drafter"}.get(e.param, e.param)
             raise InvalidRequest(str(e), param, e.code) from None
 
-    def _step(self, slot: _Slot, load: RoundLoad) -> Chunk:
+    def _step(self) -> list[tuple[_Slot, Chunk | BaseException]]:
+        """One batched step; each decoding request's chunk (or its failure)."""
+        step = self.batch.step()
+        b = step.batch
+        self.batching = self.batching.step(b.batch_size, b.num_rows, sum(st.num_emitted for _, st in step.stats),
+                                           b.forward_s)
+        replies: list[tuple[_Slot, Chunk | BaseException]] = []
+        for routed, stats in step.stats:
+            slot = self._active[routed]
+            replies.append((slot, self._chunk(slot, stats)))
+            if routed.finished:
+                del self._active[routed]
+                self._num_finished += 1
+        for routed, e in step.failed:
+            slot = self._active.pop(routed)
+            self._close(slot)
+            replies.append((slot, RuntimeError(f"generation failed: {e!r}")))
+        return replies
+
+    def _chunk(self, slot: _Slot, step: StepStats) -> Chunk:
         routed = slot.gen
         assert routed is not None
-        stats = routed.step(load)
-        slot.last_step = (stats.num_emitted, stats.draft_s + stats.verify_s)
         gen = routed.gen
         output_ids = gen.output_ids
         new_ids = output_ids[slot.num_sent_ids :]
@@ -417,6 +423,13 @@ class TargetWorker:
             fallbacks=list(report.fallbacks),
         )
         return Chunk(new_ids, delta, result.finish_reason, stats)
+
+    def _drop(self, slot: _Slot) -> None:
+        """Take a request out of the batch (cancelled, or failed) and close it."""
+        if slot.gen is not None:
+            self.batch.remove(slot.gen)
+            self._active.pop(slot.gen, None)
+        self._close(slot)
 
     @staticmethod
     def _close(slot: _Slot) -> None:

@@ -25,6 +25,7 @@ from workers.config import PLAIN, EngineConfig
 from workers.drafters.base import Draft, DraftContext, Drafter
 from workers.drafters.registry import build_drafters
 from workers.drafters.remote import DraftService
+from workers.models.base import ForwardOutput, KVCache
 from workers.sampling import SamplingParams, make_generator, probs_from_logits
 from workers.target import LoadedModel, load_model
 from workers.tree import DraftTree
@@ -91,6 +92,34 @@ class _PendingShadow:
         return None
 
 
+@dataclass(frozen=True)
+class StepOrder:
+    """What one step runs: the drafter and k, the cheap drafters scored alongside, and a cheap
+    drafter tried first (see `Generation.prepare`)."""
+
+    drafter: str = PLAIN
+    draft_len: int = 0
+    shadow: tuple[str, ...] = ()
+    first: str | None = None
+    first_len: int = 0
+
+
+@dataclass
+class PreparedStep:
+    """A step's draft, ready for the target forward over `input_ids` ([last token + draft])."""
+
+    drafter: str  # the drafter that proposed (PLAIN: none)
+    draft_len: int  # k asked for, clipped
+    draft_ids: torch.Tensor  # [k'] (a tree: its nodes)
+    draft_probs: torch.Tensor | None
+    tree: DraftTree | None
+    input_ids: torch.Tensor  # [1 + k']
+    start: int  # the cache length before the forward
+    context_len: int
+    fallback_reason: str | None
+    draft_s: float
+
+
 @dataclass
 class GenerationResult:
     prompt_token_ids: list[int]
@@ -122,7 +151,12 @@ class Generation:
         prompt_ids: list[int],
         params: SamplingParams,
         on_step: Callable[[StepStats], None] | None,
+        *,
+        prefill: bool = True,
     ) -> None:
+        """`prefill`: give the request a cache of its own and prefill the prompt now; else the
+        scheduler (workers/batch.py) attaches a cache from its pool when it admits the request
+        (`attach`) and prefills it in chunks (`prefill_input`, `complete_prefill`)."""
         self.engine = engine
         self.params = params
         self.on_step = on_step
@@ -135,7 +169,8 @@ class Generation:
         if self.with_hidden:
             dtype = getattr(self.model, "dtype", torch.float32)
             self.ctx.features = torch.empty(max_len, self.model.info.hidden_size, dtype=dtype, device=self.device)
-        self.cache = self.model.new_cache(max_len)
+        self.cache: KVCache | None = self.model.new_cache(max_len) if prefill else None
+        self._closed = False
         self.stop_ids = set() if params.ignore_eos else set(self.model.info.eos_token_ids)
         self.stop_ids |= params.extra_stop_token_ids
         self.finish_reason: str | None = None
@@ -146,7 +181,10 @@ class Generation:
         self._pending: list[_PendingShadow] = []
         self._no_draft = torch.empty(0, dtype=torch.long, device=self.device)
         self._t0 = time.perf_counter()
-        self._prefill()
+        self.prefill_s = 0.0
+        self.num_prefilled = 0  # prompt tokens in the cache; the last one runs in the first step
+        if prefill:
+            self._prefill()
 
     # -- public -----------------------------------------------------------------------------
     @property
@@ -155,7 +193,15 @@ class Generation:
 
     @property
     def closed(self) -> bool:
-        return self.cache is None
+        return self._closed
+
+    def attach(self, cache: KVCache) -> None:
+        """The cache this request runs in, from the scheduler's pool; prefilled by chunks."""
+        if self.cache is not None:
+            raise RuntimeError("this generation has a cache already")
+        if cache.capacity < self.ctx.max_len:
+            raise ValueError(f"a cache of {cache.capacity} positions cannot hold {self.ctx.max_len}")
+        self.cache = cache
 
     @property
     def output_ids(self) -> list[int]:
@@ -165,31 +211,47 @@ class Generation:
     def num_remaining(self) -> int:
         return self.ctx.max_len - len(self.ctx.token_ids)
 
+    @property
+    def num_to_prefill(self) -> int:
+        """Prompt tokens still to run before the first step (all but the last one)."""
+        return self.num_prompt - 1 - self.num_prefilled
+
     def step(
         self, drafter: str = PLAIN, k: int = 0, shadow: Collection[str] = (), first: str | None = None,
         first_len: int = 0,
     ) -> StepStats:
-        """Propose up to k tokens with `drafter` (PLAIN or k = 0: none), verify, emit.
-        A drafter that raises is dropped for the rest of the request: the step goes on plainly.
+        """One step of this request alone: `prepare`, one target forward, `complete`."""
+        prepared = self.prepare(StepOrder(drafter, k, tuple(shadow), first, first_len))
+        t1 = time.perf_counter()
+        out = self.model.forward(prepared.input_ids, self.cache, return_hidden=self.with_hidden, tree=prepared.tree)
+        return self.complete(prepared, out, time.perf_counter() - t1)
 
-        Each drafter in `shadow` (cheap ones: proposing costs next to nothing) also proposes
+    def prepare(self, order: StepOrder) -> PreparedStep:
+        """Propose up to k tokens with `order.drafter` (PLAIN or k = 0: none): the inputs of the
+        step's target forward. A drafter that raises is dropped for the rest of the request: the
+        step goes on plainly.
+
+        Each drafter in `order.shadow` (cheap ones: proposing costs next to nothing) also proposes
         max_draft_len tokens here, scored against the tokens the target emits (StepStats.shadows,
-        once decided). For `drafter` itself only the positions past its real draft are scored.
+        once decided). For the drafter itself only the positions past its real draft are scored.
 
-        `first`: a cheap drafter tried before `drafter`; when it proposes, its first `first_len`
-        tokens are the step's draft (StepStats.drafter says which drafter drafted)."""
+        `order.first`: a cheap drafter tried before the drafter; when it proposes, its first
+        `first_len` tokens are the step's draft (StepStats.drafter says which drafter drafted)."""
         if self.finished:
             raise RuntimeError("step() on a finished generation")
+        if self.cache is None or self.num_to_prefill:
+            raise RuntimeError("step() before the prompt is prefilled")
+        drafter, first, shadow = order.drafter, order.first, order.shadow
         for name in (drafter, first):
             if name not in (PLAIN, None) and name not in self.engine.drafters:
                 raise RequestError(f"unknown drafter {name!r}", "drafter")
-        k = self._clip(k)
+        k = self._clip(order.draft_len)
         fallback = None
         if drafter in self._broken:
             drafter, fallback = PLAIN, "drafter_error"
         if k == 0:
             drafter = PLAIN
-        first_len = self._clip(first_len) if first is not None and first not in self._broken else 0
+        first_len = self._clip(order.first_len) if first is not None and first not in self._broken else 0
         context_len = len(self.ctx.token_ids)
         for name in shadow:
             if name != drafter and not (name == first and first_len):
@@ -211,41 +273,70 @@ class Generation:
         tree = draft.tree if draft is not None else None
         if tree is not None and len(tree) >= (room := self.cache.capacity - self.cache.length):
             tree, draft_ids = tree.prefix(room - 1), draft_ids[: room - 1]  # near max_tokens: what fits
+        return PreparedStep(
+            drafter=drafter, draft_len=k, draft_ids=draft_ids, draft_probs=draft.probs if draft is not None else None,
+            tree=tree, input_ids=torch.cat([self._last_token(), draft_ids]), start=self.cache.length,
+            context_len=context_len, fallback_reason=fallback, draft_s=time.perf_counter() - t0,
+        )
+
+    def complete(self, prepared: PreparedStep, out: ForwardOutput, forward_s: float) -> StepStats:
+        """Verify the prepared draft against the target's forward over it, roll the cache back to
+        the kept tokens, emit them and let the drafter commit. `forward_s`: the forward's seconds
+        (in a batch, the whole batch's)."""
         t1 = time.perf_counter()
-        start = self.cache.length
-        out = self.model.forward(torch.cat([self._last_token(), draft_ids]), self.cache,
-                                 return_hidden=self.with_hidden, tree=tree)
-        result = self._verify(out.logits, draft_ids, draft.probs if draft is not None else None, tree)
+        p, tree, context_len = prepared, prepared.tree, prepared.context_len
+        result = self._verify(out.logits, p.draft_ids, p.draft_probs, tree)
         if tree is None:
-            self.cache.truncate(start + 1 + result.num_accepted)  # keep [last + accepted]
+            self.cache.truncate(p.start + 1 + result.num_accepted)  # keep [last + accepted]
             kept = slice(0, result.num_accepted + 1)
         else:  # keep [root + accepted path], moved together
             kept = [0, *(1 + i for i in result.path)]
-            self.cache.keep(start, kept)
+            self.cache.keep(p.start, kept)
         if out.hidden is not None:  # the kept inputs' features: positions context_len - 1 onwards
             self.ctx.features[context_len - 1 : context_len + result.num_accepted] = out.hidden[kept]
-        t2 = time.perf_counter()
+        verify_s = forward_s + time.perf_counter() - t1
 
         num_emitted = self._emit(result.token_ids)
+        drafter = p.drafter
         if drafter != PLAIN:
             self._guard(drafter, lambda impl, state: impl.commit(state, self.ctx, num_emitted, result.num_accepted))
         stats = StepStats(
-            drafter=drafter, draft_len=k,
-            num_draft_tokens=tree.depth if tree is not None else int(draft_ids.shape[0]),
+            drafter=drafter, draft_len=p.draft_len,
+            num_draft_tokens=tree.depth if tree is not None else int(p.draft_ids.shape[0]),
             num_accepted=result.num_accepted, num_emitted=num_emitted,
             num_tree_nodes=len(tree) if tree is not None else 0,
-            draft_s=t1 - t0, verify_s=t2 - t1, context_len=context_len, fallback_reason=fallback,
+            draft_s=p.draft_s, verify_s=verify_s, context_len=context_len, fallback_reason=p.fallback_reason,
             shadows=self._resolve_shadows(),
         )
         self._record(stats)
         return stats
+
+    def prefill_input(self, max_tokens: int) -> torch.Tensor:
+        """The next chunk of at most max_tokens prompt tokens to run (scheduler-driven prefill)."""
+        a = self.num_prefilled
+        return torch.tensor(self.ctx.token_ids[a : a + min(max_tokens, self.num_to_prefill)],
+                            dtype=torch.long, device=self.device)
+
+    def complete_prefill(self, num_tokens: int, out: ForwardOutput, forward_s: float) -> None:
+        """The chunk of `prefill_input` ran: its features are kept for the drafters that read them."""
+        if out.hidden is not None:
+            self.ctx.features[self.num_prefilled : self.num_prefilled + num_tokens] = out.hidden
+        self.num_prefilled += num_tokens
+        self.prefill_s += forward_s
 
     def close(self) -> None:
         """Release drafter state (also called when a generation is abandoned)."""
         for name, state in self._drafter_states.items():
             self.engine.drafters[name].end(state)
         self._drafter_states.clear()
-        self.cache = None  # type: ignore[assignment]
+        self.release_cache()
+        self._closed = True
+
+    def release_cache(self) -> None:
+        """Give a pooled cache's slot back (the scheduler does once the request finishes)."""
+        if (pool := getattr(self.cache, "pool", None)) is not None:
+            pool.release(self.cache)
+        self.cache = None
 
     def result(self) -> GenerationResult:
         drafted = [s for s in self.steps if s.num_draft_tokens]
@@ -281,6 +372,7 @@ class Generation:
                 self.ctx.features[: prompt.numel()] = out.hidden
         # the last prompt token goes through the ordinary step path: identical numerics to
         # every later step, and the first generated token comes out of `step` like all others
+        self.num_prefilled = prompt.numel()
         self.prefill_s = time.perf_counter() - t0
 
     def _clip(self, k: int) -> int:

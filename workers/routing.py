@@ -14,22 +14,24 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from policies.batching import BatchCost, DraftOption, allocate
 from policies.classifier import Classification, DomainClassifier
 from policies.cost import ALONE, RoundLoad
 from policies.paths import PathNotAllowed, confine
 from policies.records import Record, RequestRecord, ShadowRecord, StepRecord
 from policies.schema import Policy, PolicyError, check_policy_drafters, load_policy
-from policies.selector import FORCED, CostTable, Features, Plan, StepController, decide, forced_plan
+from policies.selector import FORCED, CostTable, Features, Plan, StepChoice, StepController, decide, forced_plan
 from policies.stats import StatsStore
 from workers.config import PLAIN, RoutingConfig
 from workers.drafters.remote import RemoteDrafter
-from workers.engine import Generation, GenerationResult, RequestError, SpecEngine, StepStats
+from workers.batch import BatchEngine, BatchStep
+from workers.engine import Generation, GenerationResult, RequestError, SpecEngine, StepOrder, StepStats
 from workers.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,34 @@ def measure_costs(engine: SpecEngine, context_len: int = 64, repeats: int = 3) -
     return CostTable(tuple(best), measure_draft_costs(engine, ids[:context_len].tolist(), repeats), tree_sizes(engine))
 
 
+BATCH_COST_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # rows the batch cost curve is measured at
+
+
+def measure_batch_cost(engine: SpecEngine, context_len: int = 64, repeats: int = 2) -> BatchCost:
+    """T(rows): the best of `repeats` target forwards over n rows after a `context_len`-token
+    prefix, for n up to the scheduler's token budget (and the largest verify a step may run)."""
+    model = engine.target.model
+    top = max(engine.config.scheduler.max_num_batched_tokens, engine.config.max_draft_len + 1)
+    rows = [n for n in BATCH_COST_ROWS if n < top] + [top]
+    context_len = max(1, min(context_len, engine.max_model_len - top))
+    ids = torch.arange(context_len + top, device=model.device) * 7919 % model.info.vocab_size
+    cache = model.new_cache(context_len + top)
+    model.forward(ids[:context_len], cache, last_only=True)
+    best = [float("inf")] * len(rows)
+    for _ in range(repeats + 1):  # the first round warms up
+        for i, n in enumerate(rows):
+            t0 = time.perf_counter()
+            model.forward(ids[context_len : context_len + n], cache)
+            best[i] = min(best[i], time.perf_counter() - t0)
+            cache.truncate(context_len)
+    return BatchCost(tuple(rows), tuple(best))
+
+
+def relative_batch_cost(costs: CostTable) -> BatchCost:
+    """T(rows) from the single-sequence verify curve when the batch was not measured."""
+    return BatchCost(tuple(range(1, len(costs.verify_s) + 1)), tuple(costs.verify_s))
+
+
 def tree_sizes(engine: SpecEngine) -> dict[str, tuple[int, ...]]:
     """Per tree drafter, the draft tokens a step verifies at each depth 0..max_draft_len: what
     the policy prices its verify forward by (a chain verifies k)."""
@@ -138,14 +168,18 @@ class Router:
     def __init__(
         self, engine: SpecEngine, policy: Policy, store: StatsStore, *, classifier: DomainClassifier | None = None,
         costs: CostTable | None = None, seed: int = 0, allowed_dirs: tuple[Path, ...] | None = None,
+        batch_cost: BatchCost | None = None,
     ) -> None:
-        """`allowed_dirs`: where a policy's classifier may be read from (policies.paths); None: anywhere."""
+        """`allowed_dirs`: where a policy's classifier may be read from (policies.paths); None: anywhere.
+        `batch_cost`: the target forward's seconds by rows (the batch's goodput rule); None: the
+        verify curve of `costs`, extended along its slope."""
         self.engine = engine
         self.store = store
         self.allowed_dirs = allowed_dirs
         if (sizes := tree_sizes(engine)):  # the policy must know what a tree step verifies
             costs = replace(costs or CostTable.relative(), tree_sizes=sizes)
         self.costs = costs
+        self.batch_cost = batch_cost or relative_batch_cost(costs or CostTable.relative())
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._active: tuple[Policy, DomainClassifier] = self._prepare(policy, classifier)
@@ -158,8 +192,10 @@ class Router:
     def from_config(cls, engine: SpecEngine, config: RoutingConfig, store: StatsStore,
                     allowed_dirs: tuple[Path, ...] | None = None) -> Router:
         costs = measure_costs(engine) if config.calibrate else None
+        batch_cost = measure_batch_cost(engine) if config.calibrate else None
         path = config.policy_path()
-        router = cls(engine, load_policy(path), store, costs=costs, seed=config.seed, allowed_dirs=allowed_dirs)
+        router = cls(engine, load_policy(path), store, costs=costs, seed=config.seed, allowed_dirs=allowed_dirs,
+                     batch_cost=batch_cost)
         if config.watch_s > 0:
             router.watch(path, config.watch_s)
         return router
@@ -224,9 +260,10 @@ class Router:
     # -- requests -----------------------------------------------------------------------------
     def start(
         self, prompt_ids: list[int], params: SamplingParams, text: str,
-        speculation: Speculation = Speculation(),
+        speculation: Speculation = Speculation(), batch: BatchEngine | None = None,
     ) -> RoutedGeneration:
-        """Classify, plan and prefill one request. Raises RequestError for a bad request."""
+        """Classify, plan and prefill one request (`batch`: queue it there instead, prefilled
+        by the batch's steps). Raises RequestError for a bad request."""
         policy, classifier = self._active
         drafter, k = speculation.drafter, speculation.draft_len
         if drafter not in (AUTO, PLAIN) and drafter not in self.engine.drafters:
@@ -265,7 +302,7 @@ class Router:
         )
         # cheap drafters the domain allows are scored on every step, whichever one runs
         shadow = [d for d in dp.drafters if d in self.engine.drafters and self.engine.drafters[d].cheap]
-        gen = self.engine.start(prompt_ids, params)
+        gen = self.engine.start(prompt_ids, params) if batch is None else batch.add(prompt_ids, params)
         return RoutedGeneration(self, gen, policy, classification, plan, controller, shadow)
 
 
@@ -291,11 +328,36 @@ class RoutedGeneration:
         return self.gen.finished
 
     def step(self, load: RoundLoad = ALONE) -> StepStats:
-        """One step; `load`: the other requests this replica interleaves with this one."""
+        """One step of this request alone; `load`: the other requests this replica interleaves
+        with this one (step by step, without batching)."""
+        choice = self.choose(load)
+        order = self.order(choice)
+        stats = self.gen.step(order.drafter, order.draft_len, order.shadow, order.first, order.first_len)
+        self.observe(choice, stats)
+        return stats
+
+    def choose(self, load: RoundLoad = ALONE) -> StepChoice:
+        """The controller's choice for the next step."""
         self.controller.load = load
-        choice = self.controller.next()
-        stats = self.gen.step(choice.drafter, choice.draft_len, shadow=self.shadow, first=choice.first_drafter,
-                              first_len=choice.first_len)
+        return self.controller.next()
+
+    def order(self, choice: StepChoice) -> StepOrder:
+        """What the engine runs for a choice: the domain's cheap drafters are scored alongside."""
+        return StepOrder(choice.drafter, choice.draft_len, self.shadow, choice.first_drafter, choice.first_len)
+
+    def draft_option(self, choice: StepChoice) -> DraftOption | None:
+        """The choice as the batch's goodput rule prices it; None where the rule has no say: a
+        plain step, or a request that fixed its drafter and k."""
+        name = choice.first_drafter or choice.drafter
+        k = choice.first_len if choice.first_drafter else choice.draft_len
+        if name == PLAIN or k == 0 or not self.controller.adaptive or not self.controller.knows(name):
+            return None
+        est, costs = self.controller.estimate(name), self.controller.costs
+        return DraftOption(est.prefix, k, costs.draft_s_per_token.get(name, 0.0), est.proposes,
+                           costs.tree_sizes.get(name))
+
+    def observe(self, choice: StepChoice, stats: StepStats) -> None:
+        """Account a step that ran `choice`: the controller's estimates, the records, the schedule."""
         if stats.fallback_reason is not None or stats.draft_len > 0:  # not a step clipped to k = 0 at the end
             self.controller.observe(stats.drafter, stats.num_draft_tokens, stats.num_accepted)
         self._records.append(StepRecord.from_step(self.domain, stats))
@@ -312,7 +374,6 @@ class RoutedGeneration:
             self._finish()
         elif len(self._records) >= FLUSH_EVERY_STEPS:
             self._flush()
-        return stats
 
     def _extend_schedule(self, drafter: str, k: int) -> None:
         last = self._schedule[-1] if self._schedule else None
@@ -364,14 +425,100 @@ class RoutedGeneration:
             self._flush()
 
 
-def round_load(others: Sequence[tuple[int, float] | None], plain_s: float | None) -> RoundLoad:
-    """A request's RoundLoad from the latest step of every other request on the replica, (tokens
-    emitted, seconds), None before its first: their sums, in plain steps of `plain_s` seconds.
-    Without a measured plain step (no calibration) the request is planned as if alone."""
-    known = [s for s in others if s is not None]
-    if not plain_s or plain_s <= 0 or not known:
-        return ALONE
-    return RoundLoad(sum(t for t, _ in known), sum(s for _, s in known) / plain_s)
+COST_EMA = 0.1  # weight of the latest step in the live rescaling of the batch cost curve
+
+
+@dataclass
+class RoutedStep:
+    """One batch step under the router."""
+
+    stats: list[tuple[RoutedGeneration, StepStats]]  # the requests that decoded
+    failed: list[tuple[RoutedGeneration, Exception]]  # requests the step failed (closed by their owner)
+    batch: BatchStep
+
+
+class RoutedBatch:
+    """Continuous batching under the router: every running request advances in one target
+    forward per step (workers/batch.py), each with its own drafter and k.
+
+    Per step, each decoding request's controller picks its drafter and its best k as if alone;
+    then the batch's goodput rule (policies/batching.py) lowers each k, to 0 where drafting
+    does not pay, against the step's measured cost in rows. Alone, the controller's choice
+    stands. The cost curve is rescaled live by the ratio of measured to predicted steps.
+    Finished and failed requests leave the batch; their owner reads their result and closes them."""
+
+    def __init__(self, router: Router, batch: BatchEngine | None = None) -> None:
+        self.router = router
+        self.batch = batch or BatchEngine(router.engine)
+        self.requests: dict[Generation, RoutedGeneration] = {}
+        self.cost_scale = 1.0  # measured / predicted step seconds, smoothed
+
+    @property
+    def num_running(self) -> int:
+        return len(self.batch.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.batch.waiting)
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, text: str,
+            speculation: Speculation = Speculation()) -> RoutedGeneration:
+        """Classify, plan and queue a request. Raises RequestError for a bad request."""
+        routed = self.router.start(prompt_ids, params, text, speculation, batch=self.batch)
+        self.requests[routed.gen] = routed
+        return routed
+
+    def remove(self, routed: RoutedGeneration) -> None:
+        """Take a request out (cancelled); its owner closes it."""
+        self.batch.remove(routed.gen)
+        self.requests.pop(routed.gen, None)
+
+    def step(self) -> RoutedStep:
+        decoding = self.batch.schedule()
+        choices = {gen: self.requests[gen].choose() for gen in decoding}
+        prefill_rows = self.batch.num_prefill_rows(len(decoding))
+        if len(choices) > 1 or (choices and prefill_rows):
+            choices = self._allocate(choices, prefill_rows)
+        orders = {gen: self.requests[gen].order(choice) for gen, choice in choices.items()}
+        step = self.batch.step(orders)
+        stats = []
+        for gen, st in step.stats:
+            routed = self.requests[gen]
+            routed.observe(choices[gen], st)
+            stats.append((routed, st))
+            if routed.finished:
+                del self.requests[gen]
+        failed = [(self.requests.pop(gen), e) for gen, e in step.failed]
+        if step.num_rows and step.forward_s > 0:
+            ratio = step.forward_s / self.router.batch_cost.step_s(step.num_rows)
+            self.cost_scale += COST_EMA * (ratio - self.cost_scale)
+        return RoutedStep(stats, failed, step)
+
+    def _allocate(self, choices: Mapping[Generation, StepChoice], prefill_rows: int) -> dict[Generation, StepChoice]:
+        """Each choice capped by the goodput rule; choices it has no say over keep their rows."""
+        out, priced = dict(choices), []
+        fixed_rows = prefill_rows
+        for gen, choice in choices.items():
+            option = self.requests[gen].draft_option(choice)
+            if option is not None:
+                priced.append((gen, option))
+            elif choice.drafter != PLAIN:
+                fixed_rows += choice.draft_len  # a forced draft: its rows beyond the 1 counted below
+        if not priced:
+            return out
+        options: list[DraftOption | None] = [o for _, o in priced]
+        options += [None] * (len(choices) - len(priced))  # plain or fixed: one row, one token each
+        ks = allocate(options, self.router.batch_cost.scaled(self.cost_scale), fixed_rows)
+        for (gen, _), k in zip(priced, ks):
+            out[gen] = _capped(choices[gen], k)
+        return out
+
+
+def _capped(choice: StepChoice, k: int) -> StepChoice:
+    """A choice drafting at most k tokens (k = 0: a plain step)."""
+    if k == 0:
+        return StepChoice(PLAIN, 0, choice.reason, 1.0)
+    return replace(choice, draft_len=min(choice.draft_len, k), first_len=min(choice.first_len, k))
 
 
 def _mtime_ns(path: Path) -> int | None:

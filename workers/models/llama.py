@@ -11,8 +11,13 @@ Weights come from a loaded transformers model, so every checkpoint format it rea
 from __future__ import annotations
 
 import functools
+import heapq
+import itertools
+import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -38,14 +43,21 @@ def supports(config: object) -> bool:
 
 
 class StaticKVCache:
-    def __init__(
-        self, num_layers: int, num_kv_heads: int, capacity: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device,
-    ) -> None:
-        shape = (num_layers, num_kv_heads, capacity, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)  # never read past length
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+    """One sequence's keys and values: its own tensors, or one slot row of a `KVPool`."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, pool: KVPool | None = None, slot: int = -1) -> None:
+        self.k = k  # [num_layers, num_kv_heads, capacity, head_dim]; never read past length
+        self.v = v
+        self.pool, self.slot = pool, slot
         self._length = 0
+
+    @classmethod
+    def empty(
+        cls, num_layers: int, num_kv_heads: int, capacity: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device,
+    ) -> StaticKVCache:
+        shape = (num_layers, num_kv_heads, capacity, head_dim)
+        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
 
     @property
     def length(self) -> int:
@@ -60,6 +72,12 @@ class StaticKVCache:
             raise ValueError(f"cannot truncate a cache of length {self._length} to {length}")
         self._length = length  # stale entries past length are never read: attention slices :end
 
+    def extend(self, n: int) -> None:
+        """Count n more entries, written by the forward that ran them."""
+        if self._length + n > self.capacity:
+            raise ValueError(f"{self._length + n} positions exceed the cache capacity {self.capacity}")
+        self._length += n
+
     def keep(self, start: int, indices: list[int]) -> None:
         """Keep the entries at start + indices (ascending), moved to start, start + 1, ...: a draft
         tree's accepted path becomes the contiguous sequence a chain would have left."""
@@ -70,6 +88,72 @@ class StaticKVCache:
         self.k[:, :, start:end] = self.k[:, :, src]
         self.v[:, :, start:end] = self.v[:, :, src]
         self._length = end
+
+
+class KVPool:
+    """The KV cache of every running sequence: one slot row of `capacity` positions each.
+
+    Slot rows rather than paged blocks: on the CPU a large `torch.empty` is mapped lazily, so
+    a slot costs only the pages its sequence has written, and attention reads every sequence's
+    keys in place (a strided view of the pool), where paged blocks need a gather per layer and
+    step (docs/benchmarks.md, "Continuous batching"). Slots are handed out lowest first, so the
+    running sequences occupy a dense range and one attention call covers them all."""
+
+    def __init__(
+        self, num_layers: int, num_slots: int, num_kv_heads: int, capacity: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        shape = (num_layers, num_slots, num_kv_heads, capacity, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self._free = list(range(num_slots))  # a heap: the lowest free slot first
+        # per slot, the positions known finite: written, or zeroed. Attention over a group reads
+        # keys up to its longest sequence, masked; never-written memory may hold NaN, and a NaN
+        # score stays NaN under the mask
+        self._finite = [0] * num_slots
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def allocate(self) -> StaticKVCache:
+        if not self._free:
+            raise RuntimeError(f"all {self.num_slots} KV slots are in use")
+        slot = heapq.heappop(self._free)
+        return StaticKVCache(self.k[:, slot], self.v[:, slot], self, slot)
+
+    def make_finite(self, cache: StaticKVCache, end: int) -> None:
+        """Zero the positions below `end` that were never written (what the cache holds was), once
+        per slot: entries written or zeroed stay finite after a rollback or a new sequence."""
+        start = max(self._finite[cache.slot], cache.length)
+        if end > start:
+            self.k[:, cache.slot, :, start:end] = 0
+            self.v[:, cache.slot, :, start:end] = 0
+        self._finite[cache.slot] = max(self._finite[cache.slot], end)
+
+    def release(self, cache: StaticKVCache) -> None:
+        if cache.pool is not self or cache.slot in self._free:
+            raise ValueError(f"slot {cache.slot} is not allocated from this pool")
+        heapq.heappush(self._free, cache.slot)
+        cache.pool, cache._length = None, 0
+
+
+@dataclass
+class SeqInput:
+    """One sequence's part of a batched forward: `input_ids` run after what its cache holds."""
+
+    input_ids: torch.Tensor  # [n] int64
+    cache: StaticKVCache
+    logits: Literal["all", "last", "none"] = "all"  # the rows whose logits are returned
+    tree: DraftTree | None = None  # the inputs are a step's root and a draft tree's nodes
 
 
 @dataclass
@@ -220,9 +304,12 @@ class FastLlama:
     def new_cache(self, capacity: int) -> StaticKVCache:
         if capacity > self.info.max_position:
             raise ValueError(f"cache capacity {capacity} exceeds the model's {self.info.max_position} positions")
-        return StaticKVCache(
-            len(self.layers), self.num_kv_heads, capacity, self.head_dim, self.dtype, self.device
-        )
+        return StaticKVCache.empty(len(self.layers), self.num_kv_heads, capacity, self.head_dim, self.dtype, self.device)
+
+    def new_pool(self, num_slots: int, capacity: int) -> KVPool:
+        if capacity > self.info.max_position:
+            raise ValueError(f"cache capacity {capacity} exceeds the model's {self.info.max_position} positions")
+        return KVPool(len(self.layers), num_slots, self.num_kv_heads, capacity, self.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(
@@ -261,27 +348,177 @@ class FastLlama:
             mask = torch.arange(end, device=self.device) <= torch.arange(start, end, device=self.device)[:, None]
         causal = n > 1 and mask is None
 
-        x = self.embed[input_ids]  # [n, hidden]
-        for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, x.shape[-1:], layer.input_norm, self.eps)
-            qkv = layer.qkv(h).view(n, nh + 2 * nkv, d)
-            # rotate q and k heads in one go: x * cos + rotate_half(x) * sin
-            qk = qkv[:, : nh + nkv]
-            qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
-            cache.k[i, :, start:end] = qk[:, nh:].transpose(0, 1)
-            cache.v[i, :, start:end] = qkv[:, nh + nkv :].transpose(0, 1)
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.k[i, :, start:end] = k.transpose(0, 1)
+            cache.v[i, :, start:end] = v.transpose(0, 1)
             attn = F.scaled_dot_product_attention(
-                qk[None, :, :nh].transpose(1, 2), cache.k[i, None, :, :end], cache.v[i, None, :, :end],
+                q[None].transpose(1, 2), cache.k[i, None, :, :end], cache.v[i, None, :, :end],
                 attn_mask=mask, is_causal=causal, enable_gqa=nkv != nh,
             )  # [1, nh, n, d]
-            x = x + layer.o(attn[0].transpose(0, 1).reshape(n, nh * d))
-            h = F.rms_norm(x, x.shape[-1:], layer.post_norm, self.eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        cache._length = end
+            return attn[0].transpose(0, 1).reshape(n, nh * d)
+
+        x = self._layers(self.embed[input_ids], cos, sin, attend)
+        cache.extend(n)
 
         if return_hidden:  # every position's hidden state; logits still only where asked
             hidden = F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps)
             return ForwardOutput(logits=self.lm_head(hidden[-1:] if last_only else hidden).float(), hidden=hidden)
         h = F.rms_norm(x[-1:] if last_only else x, x.shape[-1:], self.final_norm, self.eps)
         return ForwardOutput(logits=self.lm_head(h).float())
+
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: _Attend) -> torch.Tensor:
+        """The decoder layers over x [n, hidden]; `attend(layer, q, k, v)` stores the new keys and
+        values and returns the attention output [n, heads * head_dim]."""
+        n = x.shape[0]
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, x.shape[-1:], layer.input_norm, self.eps)
+            qkv = layer.qkv(h).view(n, nh + 2 * nkv, d)
+            # rotate q and k heads in one go: x * cos + rotate_half(x) * sin
+            qk = qkv[:, : nh + nkv]
+            qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
+            x = x + layer.o(attend(i, qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]))
+            h = F.rms_norm(x, x.shape[-1:], layer.post_norm, self.eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        return x
+
+    @torch.inference_mode()
+    def forward_batch(self, batch: Sequence[SeqInput], *, return_hidden: bool = False) -> list[ForwardOutput]:
+        """Several sequences in one forward: every weight is read once for all their rows.
+
+        The sequences' caches are slots of one KVPool. Their inputs are packed into one [N] row
+        block for the products. Attention reads each sequence's keys in place: sequences of
+        similar shape share one call over their slot range, queries padded to the group's
+        longest and masked to their own keys (causal, or the draft tree's ancestry)
+        (`_attention_groups`). A batch of one runs `forward` (the same numerics as alone)."""
+        if len(batch) == 1:
+            (seq,) = batch
+            out = self.forward(seq.input_ids, seq.cache, last_only=seq.logits != "all", tree=seq.tree,
+                               return_hidden=return_hidden)
+            return [replace(out, logits=out.logits[:0]) if seq.logits == "none" else out]
+        pool = batch[0].cache.pool
+        slots = [s.cache.slot for s in batch]
+        if pool is None or any(s.cache.pool is not pool for s in batch) or len(set(slots)) != len(slots):
+            raise ValueError("a batched forward needs every sequence in its own slot of one KVPool")
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        lens = [s.input_ids.shape[0] for s in batch]
+        if any(s.cache.length + n > pool.capacity for s, n in zip(batch, lens)):
+            raise ValueError(f"a sequence exceeds the cache capacity {pool.capacity}")
+        bounds = [0, *itertools.accumulate(lens)]
+        dev = self.device
+        # per packed row: its slot, its storage position, its rotary position
+        row_slot = torch.tensor([s.cache.slot for s, n in zip(batch, lens) for _ in range(n)], device=dev)
+        store = torch.cat([torch.arange(s.cache.length, s.cache.length + n) for s, n in zip(batch, lens)]).to(dev)
+        rope = torch.cat([s.cache.length + (s.tree.input_offsets() if s.tree is not None else torch.arange(n))
+                          for s, n in zip(batch, lens)]).to(dev)
+        cos, sin = self.cos[rope, None], self.sin_signed[rope, None]  # [N, 1, d]
+        groups = [_AttnGroup.of([(batch[b], bounds[b]) for b in members], dev) for members in _attention_groups(batch)]
+        for g in groups:
+            for s in g.members:
+                pool.make_finite(s.cache, g.l_max)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            pool.k[i, row_slot, :, store] = k  # [N, nkv, d] into (slot, position) pairs
+            pool.v[i, row_slot, :, store] = v
+            out = q.new_empty(q.shape[0], nh * d)
+            for g in groups:
+                q_pad = q.new_zeros(g.num_slots * g.n_max, nh, d)
+                q_pad[g.padded] = q[g.rows]
+                attn = F.scaled_dot_product_attention(
+                    q_pad.view(g.num_slots, g.n_max, nh, d).transpose(1, 2),
+                    pool.k[i, g.lo : g.hi, :, : g.l_max], pool.v[i, g.lo : g.hi, :, : g.l_max],
+                    attn_mask=g.mask, enable_gqa=nkv != nh,
+                )  # [slots, nh, n_max, d]
+                out[g.rows] = attn.transpose(1, 2).reshape(-1, nh * d)[g.padded]
+            return out
+
+        ids = torch.cat([s.input_ids for s in batch]).to(dev)
+        x = self._layers(self.embed[ids], cos, sin, attend)
+        for s, n in zip(batch, lens):
+            s.cache.extend(n)
+
+        hidden = F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps)
+        wanted = [range(a, b) if s.logits == "all" else range(b - 1, b) if s.logits == "last" else range(0)
+                  for s, a, b in zip(batch, bounds, bounds[1:])]
+        rows = torch.tensor([r for w in wanted for r in w], dtype=torch.long, device=dev)
+        logits = self.lm_head(hidden[rows]).float().split([len(w) for w in wanted])
+        return [ForwardOutput(logits=lg, hidden=hidden[a:b] if return_hidden else None)
+                for lg, a, b in zip(logits, bounds, bounds[1:])]
+
+
+_Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# An attention call's fixed cost in key rows read (measured on the 2-core CPU: ~20 us a call
+# against ~0.13 us a key row of all heads): what grouping two sequences must save to pay.
+_CALL_COST_ROWS = 160
+_MIN_QUERY_ROWS = 8  # up to here a call is bound by reading the keys, past it by the products
+
+
+def _attention_groups(batch: Sequence[SeqInput]) -> list[list[int]]:
+    """The batch's sequences (indices) split into runs of neighbouring slots, one attention call
+    each: a call costs its slot range x its longest keys x its longest queries (padding
+    included) plus a fixed cost, and the split minimising the sum is found exactly (B <= a few
+    dozen). Short decode steps of similar lengths share a call; a long prompt chunk or one
+    very long context gets its own."""
+    order = sorted(range(len(batch)), key=lambda b: batch[b].cache.slot)
+    slot = [batch[b].cache.slot for b in order]
+    keys = [batch[b].cache.length + batch[b].input_ids.shape[0] for b in order]
+    queries = [max(batch[b].input_ids.shape[0], _MIN_QUERY_ROWS) for b in order]
+    best, cut = [0.0] * (len(order) + 1), [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):
+        best[end] = math.inf
+        for start in range(end):
+            cost = (best[start] + _CALL_COST_ROWS + (slot[end - 1] - slot[start] + 1) * max(keys[start:end])
+                    * max(queries[start:end]) / _MIN_QUERY_ROWS)
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    groups, end = [], len(order)
+    while end:
+        groups.append(order[cut[end] : end])
+        end = cut[end]
+    return groups[::-1]
+
+
+@dataclass
+class _AttnGroup:
+    """One attention call of a batched forward: pool slots lo..hi-1, their packed rows."""
+
+    lo: int
+    hi: int
+    n_max: int  # query rows per slot, padded
+    l_max: int  # keys per slot, padded
+    rows: torch.Tensor  # [m] the group's rows in the packed batch
+    padded: torch.Tensor  # [m] where each sits in the [slots * n_max] padded query block
+    mask: torch.Tensor  # [slots, 1, n_max, l_max] bool: the keys each padded query sees
+    members: list[SeqInput]
+
+    @property
+    def num_slots(self) -> int:
+        return self.hi - self.lo
+
+    @classmethod
+    def of(cls, members: list[tuple[SeqInput, int]], device: torch.device) -> _AttnGroup:
+        """`members`: (sequence, its first row in the packed batch)."""
+        lo = min(s.cache.slot for s, _ in members)
+        hi = max(s.cache.slot for s, _ in members) + 1
+        n_max = max(s.input_ids.shape[0] for s, _ in members)
+        l_max = max(s.cache.length + s.input_ids.shape[0] for s, _ in members)
+        # key p is visible to query j of a sequence starting at `start`: p < start, or within its
+        # own inputs by the causal / tree rule; padding rows see key 0 only (no empty softmax)
+        mask = torch.zeros(hi - lo, n_max, l_max, dtype=torch.bool)
+        mask[:, :, 0] = True
+        rows, padded = [], []
+        for s, first in members:
+            n, row, start = s.input_ids.shape[0], s.cache.slot - lo, s.cache.length
+            mask[row, :n, :start] = True
+            if s.tree is not None:
+                if len(s.tree) + 1 != n:
+                    raise ValueError(f"a tree of {len(s.tree)} nodes needs {len(s.tree) + 1} inputs, got {n}")
+                mask[row, :n, start : start + n] = s.tree.input_mask()
+            else:
+                mask[row, :n, start : start + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            rows.append(torch.arange(first, first + n))
+            padded.append(row * n_max + torch.arange(n))
+        return cls(lo, hi, n_max, l_max, torch.cat(rows).to(device), torch.cat(padded).to(device),
+                   mask[:, None].to(device), [s for s, _ in members])

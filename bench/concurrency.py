@@ -1,0 +1,253 @@
+"""`specroute bench --concurrency 1,2,4,8,16`: throughput and latency under concurrent load.
+
+Closed loop, in-process: at concurrency c, c clients each send their next prompt the moment their
+last one finishes, until every prompt has run; every method gets the same prompts in the same
+order. Methods:
+  plain         continuous batching without drafts (the baseline each speedup is relative to)
+  NAME          continuous batching, every request drafting with NAME at its static draft_len
+  router        continuous batching under the router (per request and step: drafter and k, capped
+                by the batch's goodput rule); one router for the whole run, warm after level one
+  plain-serial  one sequence per target forward, requests interleaved step by step: the
+                engine without batching
+Greedy; every request's output is compared with its single-request plain output.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from bench.prompts import BenchPrompt
+from workers.batch import BatchEngine
+from workers.config import PLAIN
+from workers.engine import Generation, SpecEngine, StepOrder
+from workers.routing import RoutedBatch, Router
+from workers.sampling import SamplingParams
+
+PLAIN_METHOD, SERIAL_METHOD, ROUTER_METHOD = "plain", "plain-serial", "router"
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: BenchPrompt
+    prompt_ids: list[int]
+
+
+@dataclass
+class _Timing:
+    """One request's clock: sent, first token, finished (perf_counter seconds)."""
+
+    sent: float
+    first: float | None = None
+    done: float | None = None
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    tokens_per_s: float  # every request's new tokens over the level's wall time
+    speedup: float  # tokens_per_s over plain's at the same concurrency
+    ttft_p50: float
+    ttft_p99: float
+    tpot_p50: float  # per request: (finish - first token) / (tokens - 1)
+    tpot_p99: float
+    mean_batch_size: float  # requests per target forward
+    num_mismatches: int  # requests whose output differs from their single-request plain output
+    wall_s: float
+
+
+@dataclass
+class _Run:
+    outputs: dict[int, list[int]]  # request index -> tokens
+    timings: list[_Timing]
+    batch_sizes: list[int]
+    wall_s: float
+
+
+def check_concurrency_methods(methods: Sequence[str], engine_drafters: Sequence[str]) -> list[str]:
+    valid = [PLAIN_METHOD, *engine_drafters, ROUTER_METHOD, SERIAL_METHOD]
+    for name in methods:
+        if name not in valid:
+            raise ValueError(f"unknown method {name!r} under --concurrency; valid methods: {', '.join(valid)}")
+    return list(dict.fromkeys([PLAIN_METHOD, *methods]))
+
+
+def run_levels(
+    engine: SpecEngine, router: Router | None, requests: Sequence[Request], methods: Sequence[str],
+    levels: Sequence[int], max_tokens: int, reference: Sequence[list[int]],
+) -> dict[str, dict[str, LevelResult]]:
+    """summary.concurrency: per level, per method. `reference`: each request's plain output alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    out: dict[str, dict[str, LevelResult]] = {}
+    for c in levels:
+        runs: dict[str, _Run] = {}
+        for method in methods:
+            if method == SERIAL_METHOD:
+                runs[method] = _serial(engine, requests, params, c)
+            elif method == ROUTER_METHOD:
+                assert router is not None
+                runs[method] = _routed(RoutedBatch(router), requests, params, c)
+            else:
+                order = StepOrder() if method == PLAIN_METHOD else StepOrder(method, engine.default_draft_len(method))
+                runs[method] = _batched(BatchEngine(engine), requests, params, c, order)
+        base = _tokens_per_s(runs[PLAIN_METHOD])
+        out[str(c)] = {m: _result(run, base, reference) for m, run in runs.items()}
+    return out
+
+
+def _tokens_per_s(run: _Run) -> float:
+    return sum(t.num_tokens for t in run.timings) / run.wall_s
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+def _result(run: _Run, plain_tokens_per_s: float, reference: Sequence[list[int]]) -> LevelResult:
+    ttft = [t.first - t.sent for t in run.timings if t.first is not None]
+    tpot = [(t.done - t.first) / (t.num_tokens - 1) for t in run.timings
+            if t.first is not None and t.done is not None and t.num_tokens > 1]
+    tps = _tokens_per_s(run)
+    return LevelResult(
+        tokens_per_s=tps, speedup=tps / plain_tokens_per_s,
+        ttft_p50=_pct(ttft, 50), ttft_p99=_pct(ttft, 99), tpot_p50=_pct(tpot, 50), tpot_p99=_pct(tpot, 99),
+        mean_batch_size=statistics.fmean(run.batch_sizes) if run.batch_sizes else 0.0,
+        num_mismatches=sum(run.outputs[i] != ref for i, ref in enumerate(reference)), wall_s=run.wall_s,
+    )
+
+
+def _closed_loop(
+    requests: Sequence[Request], concurrency: int, send: Callable[[Request], Any],
+    step: Callable[[], tuple[int, list[tuple[Any, int]]]], output: Callable[[Any], list[int]],
+) -> _Run:
+    """Drive `step` until every request finished, keeping `concurrency` in flight. `send` starts a
+    request and returns its handle; `step` returns (requests in the forward, [(handle, tokens
+    emitted)]) and a handle counts as finished when `output` of it is final (its `.finished`)."""
+    queue = deque(enumerate(requests))
+    timings: list[_Timing] = [_Timing(0.0) for _ in requests]
+    handles: dict[Any, int] = {}
+    outputs: dict[int, list[int]] = {}
+    batch_sizes: list[int] = []
+    t0 = time.perf_counter()
+
+    def send_next() -> None:
+        i, request = queue.popleft()
+        timings[i].sent = time.perf_counter()
+        handles[send(request)] = i
+
+    for _ in range(min(concurrency, len(queue))):
+        send_next()
+    while handles:
+        size, emitted = step()
+        now = time.perf_counter()
+        if size:
+            batch_sizes.append(size)
+        for handle, n in emitted:
+            t = timings[handles[handle]]
+            if n and t.first is None:
+                t.first = now
+            t.num_tokens += n
+            if handle.finished:
+                t.done = now
+                outputs[handles.pop(handle)] = output(handle)
+                if queue:
+                    send_next()
+    return _Run(outputs, timings, batch_sizes, time.perf_counter() - t0)
+
+
+def _batched(batch: BatchEngine, requests: Sequence[Request], params: SamplingParams, concurrency: int,
+             order: StepOrder) -> _Run:
+    def step() -> tuple[int, list[tuple[Any, int]]]:
+        decoding = batch.schedule()
+        done = batch.step({g: order for g in decoding})
+        return done.batch_size, [(g, st.num_emitted) for g, st in done.stats]
+
+    def output(gen: Generation) -> list[int]:
+        ids = gen.output_ids
+        gen.close()
+        return ids
+
+    return _closed_loop(requests, concurrency, lambda r: batch.add(r.prompt_ids, params), step, output)
+
+
+def _routed(batch: RoutedBatch, requests: Sequence[Request], params: SamplingParams, concurrency: int) -> _Run:
+    def step() -> tuple[int, list[tuple[Any, int]]]:
+        done = batch.step()
+        return done.batch.batch_size, [(r, st.num_emitted) for r, st in done.stats]
+
+    def output(routed: Any) -> list[int]:
+        ids = routed.gen.output_ids
+        routed.close()
+        return ids
+
+    return _closed_loop(requests, concurrency, lambda r: batch.add(r.prompt_ids, params, r.prompt.text), step, output)
+
+
+def _serial(engine: SpecEngine, requests: Sequence[Request], params: SamplingParams, concurrency: int) -> _Run:
+    """One sequence per forward: each request prefilled on arrival, then a plain step each, in turn."""
+    active: list[Generation] = []
+
+    def send(r: Request) -> Generation:
+        gen = engine.start(r.prompt_ids, params)
+        active.append(gen)
+        return gen
+
+    def step() -> tuple[int, list[tuple[Any, int]]]:
+        emitted = []
+        for gen in list(active):
+            emitted.append((gen, gen.step(PLAIN, 0).num_emitted))
+            if gen.finished:
+                active.remove(gen)
+        return (1 if emitted else 0), emitted
+
+    def output(gen: Generation) -> list[int]:
+        ids = gen.output_ids
+        gen.close()
+        return ids
+
+    return _closed_loop(requests, concurrency, send, step, output)
+
+
+def concurrency_section(summary: dict[str, dict[str, dict]]) -> list[str]:
+    methods = list(dict.fromkeys(m for level in summary.values() for m in level))
+    lines = ["| concurrency | method | tokens/s | speedup vs plain | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
+             "| mean batch | mismatches |", "|---|---|---|---|---|---|---|---|"]
+    for c, level in summary.items():
+        for m in methods:
+            if (r := level.get(m)) is None:
+                continue
+            lines.append(f"| {c} | {m} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+                         f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | {1e3 * r['tpot_p50']:.0f} / "
+                         f"{1e3 * r['tpot_p99']:.0f} | {r['mean_batch_size']:.1f} | {r['num_mismatches']} |")
+    return lines
+
+
+def plot_throughput(summary: dict[str, dict[str, dict]], path: Path) -> Path:
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.subplots()
+    levels = [int(c) for c in summary]
+    for m in dict.fromkeys(m for level in summary.values() for m in level):
+        ax.plot(levels, [summary[str(c)][m]["tokens_per_s"] for c in levels], marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_xlabel("concurrent clients (closed loop)")
+    ax.set_ylabel("tokens / s (all clients)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def as_json(summary: dict[str, dict[str, LevelResult]]) -> dict[str, dict[str, dict]]:
+    return {c: {m: asdict(r) for m, r in level.items()} for c, level in summary.items()}

@@ -1,0 +1,230 @@
+"""Continuous batching on the tiny target: the pooled, batched forward against one sequence at a
+time; the scheduler (admission, chunked prefill, slots); losslessness of mixed batches (greedy
+and sampled, every drafter kind the tiny engine has, draft trees); failure isolation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import TWO_TOKEN_PARAMS, TwoTokenCase, assert_follows_joint
+
+from workers.batch import BatchEngine
+from workers.config import PLAIN, EngineConfig, NgramDrafterConfig
+from workers.engine import Generation, SpecEngine, StepOrder
+from workers.models.llama import SeqInput
+from workers.sampling import SamplingParams
+from workers.tree import DraftTree
+
+TEXTS = [
+    "Tell me a story about a cat and a dog.",
+    "Summarize: the committee met on Tuesday and agreed to postpone the vote until March.",
+    "Write a Python function that reverses a linked list.",
+    "Count: one two three four five six seven eight nine ten one two",
+    "hi",
+]
+# (drafter, k) per request of a mixed batch: every kind the engine has, plain included
+MIX = [(PLAIN, 0), ("ngram", 4), ("self", 3), ("other", 2), ("self_tree", 3)]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir: Path, tiny_drafter_dir: Path) -> SpecEngine:
+    return SpecEngine.from_config(EngineConfig.model_validate({
+        "target": {"model": str(tiny_llama_dir), "max_model_len": 512},
+        "drafters": [
+            NgramDrafterConfig().model_dump(),
+            {"kind": "model", "name": "self", "model": {"model": str(tiny_llama_dir)}, "draft_len": 4},
+            {"kind": "model", "name": "other", "model": {"model": str(tiny_drafter_dir)}, "draft_len": 3},
+            {"kind": "model", "name": "self_tree", "model": {"model": str(tiny_llama_dir)}, "draft_len": 3,
+             "tree": {"topk": 2, "nodes": 5}},
+        ],
+        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 24},
+    }))
+
+
+@pytest.fixture(scope="module")
+def prompts(engine: SpecEngine) -> list[list[int]]:
+    return [engine.encode(t, chat=i % 2 == 0) for i, t in enumerate(TEXTS)]
+
+
+def greedy(max_tokens: int = 24, **kw: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, **kw)
+
+
+def run_batch(batch: BatchEngine, gens: list[Generation], orders: dict[Generation, StepOrder]) -> list[int]:
+    """Step until every generation finished; the batch size of each step."""
+    sizes = []
+    while batch.num_unfinished:
+        decoding = batch.schedule()
+        step = batch.step({g: orders[g] for g in decoding})
+        assert not step.failed
+        sizes.append(step.batch_size)
+    for g in gens:
+        g.close()
+    return sizes
+
+
+def assert_same_or_tie(engine: SpecEngine, prompt: list[int], got: list[int], expected: list[int]) -> None:
+    """Batched rows may round differently from one row alone: a difference must be a tie of the
+    target's top two logits at the first differing position, never a real disagreement."""
+    if got == expected:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+    model = engine.target.model
+    logits = model.forward(torch.tensor(prompt + expected[:i]), model.new_cache(len(prompt) + i + 1),
+                           last_only=True).logits[0]
+    top2 = logits.topk(2).values
+    assert (top2[0] - top2[1]).item() < 1e-4, f"position {i}: {got[i:i + 3]} vs {expected[i:i + 3]}, top-2 {top2}"
+
+
+# -- the model: pooled slots and the batched forward ---------------------------------------------
+
+def test_forward_batch_matches_one_sequence_at_a_time(engine: SpecEngine) -> None:
+    """Prefill chunks, decode rows, a verify chain and a draft tree in one forward, in slots that
+    leave a gap: every sequence's logits and hidden states equal its own forward's."""
+    model = engine.target.model
+    g = torch.Generator().manual_seed(0)
+    pool = model.new_pool(6, 64)
+    caches = [pool.allocate() for _ in range(6)]
+    pool.release(caches[2])  # a hole in the slot range
+    caches = [caches[i] for i in (0, 1, 3, 5)]
+    tree = DraftTree((-1, -1, 0, 1))
+    contexts = [torch.randint(0, 1000, (n,), generator=g) for n in (9, 3, 20, 1)]
+    news = [torch.randint(0, 1000, (n,), generator=g) for n in (1, 7, 5, 12)]
+    trees = [None, None, tree, None]
+    for cache, ctx in zip(caches, contexts):
+        model.forward(ctx, cache)
+    outs = model.forward_batch([SeqInput(new, cache, "all", t) for new, cache, t in zip(news, caches, trees)],
+                               return_hidden=True)
+    for ctx, new, t, out, cache in zip(contexts, news, trees, outs, caches):
+        alone = model.new_cache(64)
+        model.forward(ctx, alone)
+        ref = model.forward(new, alone, tree=t, return_hidden=True)
+        torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.hidden, ref.hidden, atol=1e-4, rtol=1e-4)
+        assert cache.length == alone.length
+        torch.testing.assert_close(cache.k[:, :, : cache.length], alone.k[:, :, : alone.length], atol=1e-5, rtol=1e-5)
+
+
+def test_forward_batch_returns_only_the_logits_asked_for(engine: SpecEngine) -> None:
+    model = engine.target.model
+    pool = model.new_pool(3, 32)
+    caches = [pool.allocate() for _ in range(3)]
+    outs = model.forward_batch([SeqInput(torch.arange(5), caches[0], "none"), SeqInput(torch.arange(4), caches[1], "last"),
+                                SeqInput(torch.arange(3), caches[2], "all")])
+    assert [o.logits.shape[0] for o in outs] == [0, 1, 3]
+    assert [c.length for c in caches] == [5, 4, 3]
+
+
+def test_pool_slots_are_reused_lowest_first_and_refuse_when_full(engine: SpecEngine) -> None:
+    pool = engine.target.model.new_pool(2, 16)
+    a, b = pool.allocate(), pool.allocate()
+    assert (a.slot, b.slot, pool.num_free) == (0, 1, 0)
+    with pytest.raises(RuntimeError, match="all 2 KV slots"):
+        pool.allocate()
+    pool.release(a)
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.release(a)
+    assert pool.allocate().slot == 0
+
+
+# -- the scheduler --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mix", [MIX, [(PLAIN, 0)] * 5], ids=["mixed-drafters", "plain"])
+def test_batched_greedy_equals_each_request_alone(engine: SpecEngine, prompts: list[list[int]], mix) -> None:
+    """Every request of a batch (each with its own drafter and k, more requests than slots, so
+    some wait and join mid-run) decodes what plain decoding alone decodes."""
+    batch = BatchEngine(engine)
+    gens = [batch.add(p, greedy()) for p in prompts]
+    sizes = run_batch(batch, gens, {g: StepOrder(d, k) for g, (d, k) in zip(gens, mix)})
+    assert max(sizes) == engine.config.scheduler.max_num_seqs  # the pool's 4 slots were all in use
+    for gen, prompt in zip(gens, prompts):
+        assert_same_or_tie(engine, prompt, gen.output_ids, engine.generate(prompt, greedy()).token_ids)
+    assert batch.pool is not None and batch.pool.num_free == batch.pool.num_slots  # closing returned every slot
+    drafted = {g.result().drafters[0] for g in gens if g.result().drafters}
+    assert drafted >= ({d for d, k in mix if k} - {"ngram"})
+
+
+def test_chunked_prefill_never_stalls_the_decoding_requests(engine: SpecEngine, prompts: list[list[int]]) -> None:
+    """A prompt longer than the step's token budget is prefilled over several steps, while the
+    requests already decoding emit a token in every one of them."""
+    batch = BatchEngine(engine)
+    budget = engine.config.scheduler.max_num_batched_tokens
+    short = [batch.add(p, greedy(30)) for p in prompts[:2]]
+    for _ in range(3):  # the short prompts are in and decoding
+        batch.step({g: StepOrder() for g in batch.schedule()})
+    long_prompt = (prompts[1] * 8)[: 5 * budget]
+    late = batch.add(long_prompt, greedy(4))
+    chunks = 0
+    while late.num_to_prefill:
+        step = batch.step({g: StepOrder() for g in batch.schedule()})
+        assert step.num_rows <= budget
+        assert {g for g, _ in step.stats} == {g for g in short if not g.finished or g in dict(step.stats)}
+        chunks += any(g is late for g, _ in step.prefilled)
+    assert chunks >= 4
+    run_batch(batch, [*short, late], {g: StepOrder() for g in [*short, late]})
+    assert_same_or_tie(engine, long_prompt, late.output_ids, engine.generate(long_prompt, greedy(4)).token_ids)
+
+
+def test_sampled_requests_in_a_mixed_batch_follow_the_target(engine: SpecEngine, prompts: list[list[int]]) -> None:
+    """Sampled requests drafting with every kind share batches with greedy ones: each still
+    draws from the target's distribution (chi-square over seeds)."""
+    case = TwoTokenCase.of(engine)
+    drafters = [d for d, k in MIX]
+
+    def generate(seed: int):
+        batch = BatchEngine(engine)
+        drafter = drafters[seed % len(drafters)]
+        sampled = batch.add(case.prompt, SamplingParams(seed=seed, **TWO_TOKEN_PARAMS))
+        others = [batch.add(p, greedy(6)) for p in prompts[:2]]
+        orders = {sampled: StepOrder(drafter, 2), others[0]: StepOrder("self", 3), others[1]: StepOrder("ngram", 3)}
+        run_batch(batch, [sampled, *others], orders)
+        return sampled.result()
+
+    assert_follows_joint(case.joint, 300, generate)
+
+
+def test_a_seeded_request_reproduces_its_output_in_the_same_batch(engine: SpecEngine, prompts: list[list[int]]) -> None:
+    outs = []
+    for _ in range(2):
+        batch = BatchEngine(engine)
+        gens = [batch.add(p, SamplingParams(max_tokens=16, temperature=0.9, seed=7)) for p in prompts[:3]]
+        run_batch(batch, gens, {g: StepOrder(d, k) for g, (d, k) in zip(gens, MIX[1:])})
+        outs.append([g.output_ids for g in gens])
+    assert outs[0] == outs[1]
+
+
+def test_a_failing_drafter_leaves_its_request_plain_and_the_batch_untouched(
+    engine: SpecEngine, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = {"n": 0}
+    real = engine.drafters["self"].propose
+
+    def flaky(state: Any, ctx: Any, k: int):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("drafter crashed")
+        return real(state, ctx, k)
+
+    monkeypatch.setattr(engine.drafters["self"], "propose", flaky)
+    batch = BatchEngine(engine)
+    gens = [batch.add(p, greedy()) for p in prompts[:3]]
+    run_batch(batch, gens, dict(zip(gens, [StepOrder("self", 3), StepOrder("ngram", 3), StepOrder()])))
+    for gen, prompt in zip(gens, prompts):
+        assert_same_or_tie(engine, prompt, gen.output_ids, engine.generate(prompt, greedy()).token_ids)
+    assert any(s.fallback_reason == "drafter_error" for s in gens[0].steps)
+
+
+def test_a_removed_request_frees_its_slot_for_a_waiting_one(engine: SpecEngine, prompts: list[list[int]]) -> None:
+    batch = BatchEngine(engine)
+    gens = [batch.add(p, greedy(50)) for p in prompts]
+    batch.schedule()
+    assert (len(batch.running), len(batch.waiting)) == (4, 1)
+    batch.remove(gens[0])
+    gens[0].close()
+    batch.schedule()
+    assert gens[4] in batch.running and len(batch.running) == 4
+    run_batch(batch, gens[1:], {g: StepOrder() for g in gens})
+    assert batch.pool is not None and batch.pool.num_free == batch.pool.num_slots

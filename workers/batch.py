@@ -1,0 +1,159 @@
+"""Continuous batching: every running request advances in one target forward per step.
+
+A `BatchEngine` keeps two queues, as vLLM's scheduler does. `waiting` requests hold no memory;
+a request is admitted to `running` when a KV slot of the pool is free (`max_num_seqs` slots).
+Each step then:
+  1. every running request that has its prompt in the cache prepares its step (its drafter
+     proposes [last token + draft], k = 0 for plain decoding), each with its own drafter and k;
+  2. requests still prefilling get prompt chunks from what is left of the step's token budget
+     (`max_num_batched_tokens`), so a long prompt is spread over several steps instead of
+     stalling everyone else's next token;
+  3. one target forward (`forward_batch`) runs every row; verification, KV rollback, emission
+     and the drafters' commits then run per request (`Generation.complete`).
+Finished requests leave `running` and give their slot back at once; their owner reads their
+result and closes them.
+
+What each request drafts is the caller's choice, made per step (`orders`): the router's goodput
+rule lives in workers/routing.py and policies/batching.py, not here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from workers.engine import Generation, PreparedStep, SpecEngine, StepOrder, StepStats
+from workers.models.base import ForwardOutput
+from workers.models.llama import SeqInput
+from workers.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+PLAIN_STEP = StepOrder()
+
+
+@dataclass
+class BatchStep:
+    """What one step ran."""
+
+    stats: list[tuple[Generation, StepStats]] = field(default_factory=list)  # the requests that decoded
+    prefilled: list[tuple[Generation, int]] = field(default_factory=list)  # prompt tokens run per request
+    failed: list[tuple[Generation, Exception]] = field(default_factory=list)  # removed from running
+    num_rows: int = 0  # target rows in the forward
+    forward_s: float = 0.0
+
+    @property
+    def batch_size(self) -> int:
+        """Requests in the forward (decoding or prefilling)."""
+        return len(self.stats) + len(self.prefilled)
+
+
+class BatchEngine:
+    def __init__(self, engine: SpecEngine) -> None:
+        self.engine = engine
+        self.config = engine.config.scheduler
+        model = engine.target.model
+        # a model without a pooled, batched forward (the transformers backend) runs each request's
+        # rows in its own forward, still one step for all
+        self.pool = (model.new_pool(self.config.max_num_seqs, engine.max_model_len)
+                     if hasattr(model, "new_pool") else None)
+        self.waiting: deque[Generation] = deque()
+        self.running: list[Generation] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, prompt_ids: list[int], params: SamplingParams,
+            on_step: Callable[[StepStats], None] | None = None) -> Generation:
+        """Queue a request (checked now: a bad one raises RequestError); it starts when admitted."""
+        self.engine.check_request(prompt_ids, params)
+        gen = Generation(self.engine, prompt_ids, params, on_step, prefill=False)
+        self.waiting.append(gen)
+        return gen
+
+    def remove(self, gen: Generation) -> None:
+        """Take a request out of the queues (cancelled) and free its slot; its owner closes it."""
+        if gen in self.running:
+            self.running.remove(gen)
+        elif gen in self.waiting:
+            self.waiting.remove(gen)
+        gen.release_cache()
+
+    def schedule(self) -> list[Generation]:
+        """Admit what fits; the running requests whose next step decodes (their prompt is in the
+        cache): the ones the next `step` takes orders for."""
+        self._admit()
+        return [g for g in self.running if not g.num_to_prefill]
+
+    def num_prefill_rows(self, num_decode_rows: int) -> int:
+        """Prompt tokens the next step would prefill after `num_decode_rows` rows of decoding."""
+        pending = sum(g.num_to_prefill for g in self.running)
+        return min(pending, max(0, self.config.max_num_batched_tokens - num_decode_rows))
+
+    def step(self, orders: Mapping[Generation, StepOrder] | None = None) -> BatchStep:
+        """One step of every running request (admitted by `schedule`); `orders` says what each
+        decoding one runs (missing: a plain step)."""
+        out = BatchStep()
+        prepared: list[tuple[Generation, PreparedStep]] = []
+        for gen in [g for g in self.running if not g.num_to_prefill]:
+            try:
+                prepared.append((gen, gen.prepare((orders or {}).get(gen, PLAIN_STEP))))
+            except Exception as e:  # a bug or a bad order: this request fails, the batch goes on
+                log.exception("preparing a step failed")
+                self.running.remove(gen)
+                out.failed.append((gen, e))
+        budget = self.config.max_num_batched_tokens - sum(p.input_ids.shape[0] for _, p in prepared)
+        chunks: list[tuple[Generation, int]] = []
+        inputs = [SeqInput(p.input_ids, gen.cache, "all", p.tree) for gen, p in prepared]
+        for gen in self.running:
+            if gen.num_to_prefill and budget > 0:
+                ids = gen.prefill_input(budget)
+                budget -= ids.shape[0]
+                chunks.append((gen, ids.shape[0]))
+                inputs.append(SeqInput(ids, gen.cache, "none"))
+        if not inputs:
+            return out
+        t0 = time.perf_counter()
+        try:
+            results = self._forward(inputs)
+        except Exception as e:  # the forward is shared: every request in it fails
+            log.exception("batched forward failed")
+            for gen in [g for g, _ in prepared] + [g for g, _ in chunks]:
+                self.running.remove(gen)
+                out.failed.append((gen, e))
+            return out
+        out.forward_s, out.num_rows = time.perf_counter() - t0, sum(s.input_ids.shape[0] for s in inputs)
+        for (gen, p), result in zip(prepared, results):
+            try:
+                out.stats.append((gen, gen.complete(p, result, out.forward_s)))
+            except Exception as e:
+                log.exception("completing a step failed")
+                out.failed.append((gen, e))
+                self.running.remove(gen)
+                continue
+            if gen.finished:
+                self.running.remove(gen)
+                gen.release_cache()  # its slot serves a waiting request from the next step on
+        for (gen, n), result in zip(chunks, results[len(prepared) :]):
+            gen.complete_prefill(n, result, out.forward_s)
+            out.prefilled.append((gen, n))
+        return out
+
+    def _admit(self) -> None:
+        while self.waiting and (self.pool is None and len(self.running) < self.config.max_num_seqs
+                                or self.pool is not None and self.pool.num_free):
+            gen = self.waiting.popleft()
+            if gen.closed:
+                continue
+            gen.attach(self.pool.allocate() if self.pool is not None else gen.model.new_cache(gen.ctx.max_len))
+            self.running.append(gen)
+
+    def _forward(self, inputs: Sequence[SeqInput]) -> list[ForwardOutput]:
+        model, hidden = self.engine.target.model, self.engine.needs_hidden_states
+        if self.pool is not None:
+            return model.forward_batch(inputs, return_hidden=hidden)
+        return [model.forward(s.input_ids, s.cache, last_only=s.logits != "all", tree=s.tree, return_hidden=hidden)
+                for s in inputs]
