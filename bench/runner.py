@@ -17,7 +17,14 @@ from pathlib import Path
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from bench.concurrency import Request, as_json, check_concurrency_methods, concurrency_section, plot_throughput, run_levels
+from bench.concurrency import (
+    Request,
+    as_json,
+    check_concurrency_methods,
+    concurrency_section,
+    plot_throughput,
+    run_levels,
+)
 from bench.lossless import find_mismatches
 from bench.machine import machine_info
 from bench.methods import HF_METHODS, ROUTER_METHOD, assistant_config, build_methods, check_methods

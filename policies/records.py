@@ -415,7 +415,8 @@ class CountHistogram:
     def __add__(self, other: CountHistogram) -> CountHistogram:
         if self.edges != other.edges:
             raise ValueError("histograms with different buckets do not add")
-        return CountHistogram(self.edges, tuple(a + b for a, b in zip(self.counts, other.counts)), self.total + other.total)
+        counts = tuple(a + b for a, b in zip(self.counts, other.counts))
+        return CountHistogram(self.edges, counts, self.total + other.total)
 
 
 @dataclass(frozen=True)

@@ -101,4 +101,7 @@ def stats_json(obs: Observation) -> dict[str, Any]:
         "domains": {d: _domain(obs, d) for d in obs.domains},
         "drafters": list(obs.drafters),
         "series": series(obs),
+        "batching": {"num_running": obs.batching.num_running, "num_waiting": obs.batching.num_waiting,
+                     "mean_batch_size": obs.batching.mean_batch_size,
+                     "goodput_tokens_per_s": obs.batching.goodput},
     }

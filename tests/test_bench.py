@@ -211,3 +211,32 @@ def test_mismatch_position_and_gap() -> None:
     assert "| 7 | a | ngram | 1 | 2 | 0 |" in section
     never = find_mismatches(records[-2:], {8: [9]}, lambda: pytest.fail("no mismatch, no model load"))
     assert never == []
+
+
+def test_cli_bench_under_concurrency(tmp_path: Path, tiny_config: EngineConfig, capsys: pytest.CaptureFixture[str]) -> None:
+    """Closed-loop levels: summary.concurrency per level and method, lossless, a table and a plot."""
+    from router.cli import main
+
+    config = tmp_path / "engine.yaml"
+    config.write_text(yaml.safe_dump(tiny_config.model_dump(mode="json")))
+    prompts = write_questions(tmp_path / "q.jsonl")
+    out = tmp_path / "out"
+    assert main(["bench", "--prompts", str(prompts), "--per-category", "2", "--max-tokens", "8", "--config", str(config),
+                 "--warmup", "1", "--methods", "ngram,router,plain-serial", "--concurrency", "4,1", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    levels = results["summary"]["concurrency"]
+    assert list(levels) == ["1", "4"]
+    for level in levels.values():
+        assert set(level) == {"plain", "ngram", "router", "plain-serial"}
+        assert level["plain"]["speedup"] == pytest.approx(1.0)
+        for r in level.values():
+            assert r["num_mismatches"] == 0 and r["tokens_per_s"] > 0
+            assert r["ttft_p50"] <= r["ttft_p99"] and r["tpot_p50"] <= r["tpot_p99"]
+    assert levels["1"]["plain"]["mean_batch_size"] == pytest.approx(1.0)
+    assert levels["4"]["plain"]["mean_batch_size"] > 1.0 and levels["4"]["plain-serial"]["mean_batch_size"] == 1.0
+    assert "| 4 | router |" in (out / "report.md").read_text()
+    assert (out / "throughput.png").read_bytes()[:8] == PNG_MAGIC
+
+    assert main(["bench", "--prompts", str(prompts), "--methods", "plain", "--concurrency", "0,2",
+                 "--out", str(tmp_path / "bad")]) == 2
+    assert "--concurrency" in capsys.readouterr().err

@@ -269,6 +269,21 @@ def test_metrics_equal_the_sums_of_the_responses(base_url: str, traffic: list[di
     assert fams["specroute_stats_store_connected"][0].labels == {"backend": "redis"}
 
 
+def test_batching_metrics_count_the_steps(base_url: str, traffic: list[dict]) -> None:
+    """The schedulers' gauges and histograms, summed over the replicas: every request's tokens
+    came out of counted steps, and nothing is left running once the traffic is answered."""
+    fams = _scrape(base_url)
+    assert [s.value for s in fams["specroute_num_requests_running"]] == [0]
+    assert [s.value for s in fams["specroute_num_requests_waiting"]] == [0]
+    sizes = {s.name: s.value for s in fams["specroute_batch_size"]}
+    rows = {s.name: s.value for s in fams["specroute_step_tokens"]}
+    assert sizes["specroute_batch_size_count"] == rows["specroute_step_tokens_count"] > 0
+    completion = sum(r["usage"]["completion_tokens"] for r in RESPONSES)
+    assert rows["specroute_step_tokens_sum"] >= completion  # each emitted token had a row in some step
+    assert sizes["specroute_batch_size_sum"] >= sizes["specroute_batch_size_count"]
+    assert fams["specroute_goodput_tokens_per_second"][0].value > 0
+
+
 def test_replicas_sharing_redis_report_identical_totals(base_url: str, traffic: list[dict]) -> None:
     from ray import serve
 

@@ -16,7 +16,6 @@ import pytest
 import yaml
 from test_engine import with_drafters
 
-from policies.cost import ALONE, RoundLoad
 from policies.records import PLAIN, StepRecord
 from policies.schema import PolicyError, load_policy
 from policies.selector import FALLBACK, FORCED

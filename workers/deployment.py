@@ -27,9 +27,8 @@ import psutil
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from workers.config import EngineConfig, RoutingConfig
-
 from policies.records import BatchingStats
+from workers.config import EngineConfig, RoutingConfig
 
 if TYPE_CHECKING:
     from workers.drafters.remote import DraftCall, DraftReply

@@ -6,8 +6,9 @@ rolled back to the kept prefix; the drafter is told what was kept. Plain decodin
 step with k = 0. A drafter may propose a tree of candidates instead (workers/tree.py): the one
 forward runs every node, verification follows the path the target takes, and the cache keeps
 that path, moved to where a chain would have left it. A request is a `Generation`; its caller
-chooses drafter and k before every step, so a policy can adapt them mid-request and a server can
-interleave requests step by step.
+chooses drafter and k before every step, so a policy can adapt them mid-request. A step is
+`prepare` (the draft), one target forward, `complete` (verify, roll back, emit): alone in `step`,
+or with every running request sharing the forward (workers/batch.py).
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ from policies.records import Record, RequestRecord, ShadowRecord, StepRecord
 from policies.schema import Policy, PolicyError, check_policy_drafters, load_policy
 from policies.selector import FORCED, CostTable, Features, Plan, StepChoice, StepController, decide, forced_plan
 from policies.stats import StatsStore
+from workers.batch import BatchEngine, BatchStep
 from workers.config import PLAIN, RoutingConfig
 from workers.drafters.remote import RemoteDrafter
-from workers.batch import BatchEngine, BatchStep
 from workers.engine import Generation, GenerationResult, RequestError, SpecEngine, StepOrder, StepStats
 from workers.sampling import SamplingParams
 

@@ -2,7 +2,8 @@
 
 A model owns weights; a cache owns one sequence's keys and values. `forward` appends the new
 tokens at `cache.length`; rolling back after a rejected draft is `cache.truncate(n)`.
-Batch size is one: concurrent requests are interleaved step by step, each with its own cache.
+One sequence per `forward`; the fast Llama also runs several in one `forward_batch` over the
+slots of a KV pool (workers/models/llama.py), which continuous batching uses when present.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""A static-cache Llama forward for batch-one speculative decoding (gpt-fast style).
+"""A static-cache Llama forward for speculative decoding (gpt-fast style), one sequence or a batch.
 
 Why not transformers' own forward: a verify step must cost little more than a plain step, so
-  * the KV cache is preallocated once per request and rollback is moving an integer;
+  * the KV cache is preallocated (per request, or one slot of a pool shared by a running batch)
+    and rollback is moving an integer;
   * q/k/v and gate/up are fused into one product each;
   * the kernel is chosen by row count (`Linear`): a 1-2 row step streams a transposed,
     contiguous weight (`x @ W_t`), a verify step of 3+ rows uses MKL's packed GEMM.
@@ -304,7 +305,8 @@ class FastLlama:
     def new_cache(self, capacity: int) -> StaticKVCache:
         if capacity > self.info.max_position:
             raise ValueError(f"cache capacity {capacity} exceeds the model's {self.info.max_position} positions")
-        return StaticKVCache.empty(len(self.layers), self.num_kv_heads, capacity, self.head_dim, self.dtype, self.device)
+        return StaticKVCache.empty(len(self.layers), self.num_kv_heads, capacity, self.head_dim, self.dtype,
+                                   self.device)
 
     def new_pool(self, num_slots: int, capacity: int) -> KVPool:
         if capacity > self.info.max_position:
