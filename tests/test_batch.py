@@ -14,7 +14,7 @@ from helpers import TWO_TOKEN_PARAMS, TwoTokenCase, assert_follows_joint
 from workers.batch import BatchEngine
 from workers.config import PLAIN, EngineConfig, NgramDrafterConfig
 from workers.engine import Generation, SpecEngine, StepOrder
-from workers.models.llama import SeqInput
+from workers.models.base import SeqInput
 from workers.sampling import SamplingParams
 from workers.tree import DraftTree
 

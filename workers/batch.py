@@ -26,8 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from workers.engine import Generation, PreparedStep, SpecEngine, StepOrder, StepStats
-from workers.models.base import ForwardOutput
-from workers.models.llama import SeqInput
+from workers.models.base import ForwardOutput, SeqInput, forward_each
 from workers.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -103,8 +102,7 @@ class BatchEngine:
                 prepared.append((gen, gen.prepare((orders or {}).get(gen, PLAIN_STEP))))
             except Exception as e:  # a bug or a bad order: this request fails, the batch goes on
                 log.exception("preparing a step failed")
-                self.running.remove(gen)
-                out.failed.append((gen, e))
+                self._fail(out, gen, e)
         budget = self.config.max_num_batched_tokens - sum(p.input_ids.shape[0] for _, p in prepared)
         chunks: list[tuple[Generation, int]] = []
         inputs = [SeqInput(p.input_ids, gen.cache, "all", p.tree) for gen, p in prepared]
@@ -122,8 +120,7 @@ class BatchEngine:
         except Exception as e:  # the forward is shared: every request in it fails
             log.exception("batched forward failed")
             for gen in [g for g, _ in prepared] + [g for g, _ in chunks]:
-                self.running.remove(gen)
-                out.failed.append((gen, e))
+                self._fail(out, gen, e)
             return out
         out.forward_s, out.num_rows = time.perf_counter() - t0, sum(s.input_ids.shape[0] for s in inputs)
         for (gen, p), result in zip(prepared, results):
@@ -131,8 +128,7 @@ class BatchEngine:
                 out.stats.append((gen, gen.complete(p, result, out.forward_s)))
             except Exception as e:
                 log.exception("completing a step failed")
-                out.failed.append((gen, e))
-                self.running.remove(gen)
+                self._fail(out, gen, e)
                 continue
             if gen.finished:
                 self.running.remove(gen)
@@ -142,9 +138,15 @@ class BatchEngine:
             out.prefilled.append((gen, n))
         return out
 
+    def _fail(self, out: BatchStep, gen: Generation, error: Exception) -> None:
+        self.running.remove(gen)
+        out.failed.append((gen, error))
+
     def _admit(self) -> None:
-        while self.waiting and (self.pool is None and len(self.running) < self.config.max_num_seqs
-                                or self.pool is not None and self.pool.num_free):
+        def room() -> bool:
+            return self.pool.num_free > 0 if self.pool is not None else len(self.running) < self.config.max_num_seqs
+
+        while self.waiting and room():
             gen = self.waiting.popleft()
             if gen.closed:
                 continue
@@ -155,5 +157,4 @@ class BatchEngine:
         model, hidden = self.engine.target.model, self.engine.needs_hidden_states
         if self.pool is not None:
             return model.forward_batch(inputs, return_hidden=hidden)
-        return [model.forward(s.input_ids, s.cache, last_only=s.logits != "all", tree=s.tree, return_hidden=hidden)
-                for s in inputs]
+        return forward_each(model, inputs, hidden)

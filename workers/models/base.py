@@ -8,8 +8,9 @@ slots of a KV pool (workers/models/llama.py), which continuous batching uses whe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal, Protocol
 
 import torch
 
@@ -64,3 +65,23 @@ class CausalLM(Protocol):
         """Run n new tokens at positions cache.length .. cache.length + n - 1 (a tree: the root
         and its nodes, each at the position of its depth; only where supports_tree)."""
         ...
+
+
+@dataclass
+class SeqInput:
+    """One sequence's part of a step's forward: `input_ids` run after what its cache holds."""
+
+    input_ids: torch.Tensor  # [n] int64
+    cache: KVCache
+    logits: Literal["all", "last", "none"] = "all"  # the rows whose logits are returned
+    tree: DraftTree | None = None  # the inputs are a step's root and a draft tree's nodes
+
+
+def forward_each(model: CausalLM, inputs: Sequence[SeqInput], return_hidden: bool = False) -> list[ForwardOutput]:
+    """Each sequence in a forward of its own (a model without a batched forward, or a batch of one)."""
+    outs = []
+    for s in inputs:
+        out = model.forward(s.input_ids, s.cache, last_only=s.logits != "all", tree=s.tree,
+                            return_hidden=return_hidden)
+        outs.append(replace(out, logits=out.logits[:0]) if s.logits == "none" else out)
+    return outs

@@ -17,14 +17,13 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import Literal
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from workers.models.base import ForwardOutput, ModelInfo
+from workers.models.base import ForwardOutput, ModelInfo, SeqInput, forward_each
 from workers.tree import DraftTree
 
 # rope types whose frequencies depend on the sequence length are left to transformers
@@ -145,16 +144,6 @@ class KVPool:
             raise ValueError(f"slot {cache.slot} is not allocated from this pool")
         heapq.heappush(self._free, cache.slot)
         cache.pool, cache._length = None, 0
-
-
-@dataclass
-class SeqInput:
-    """One sequence's part of a batched forward: `input_ids` run after what its cache holds."""
-
-    input_ids: torch.Tensor  # [n] int64
-    cache: StaticKVCache
-    logits: Literal["all", "last", "none"] = "all"  # the rows whose logits are returned
-    tree: DraftTree | None = None  # the inputs are a step's root and a draft tree's nodes
 
 
 @dataclass
@@ -395,10 +384,7 @@ class FastLlama:
         longest and masked to their own keys (causal, or the draft tree's ancestry)
         (`_attention_groups`). A batch of one runs `forward` (the same numerics as alone)."""
         if len(batch) == 1:
-            (seq,) = batch
-            out = self.forward(seq.input_ids, seq.cache, last_only=seq.logits != "all", tree=seq.tree,
-                               return_hidden=return_hidden)
-            return [replace(out, logits=out.logits[:0]) if seq.logits == "none" else out]
+            return forward_each(self, batch, return_hidden)
         pool = batch[0].cache.pool
         slots = [s.cache.slot for s in batch]
         if pool is None or any(s.cache.pool is not pool for s in batch) or len(set(slots)) != len(slots):
