@@ -28,12 +28,12 @@ from bench.concurrency import (
 from bench.lossless import find_mismatches
 from bench.machine import machine_info
 from bench.methods import HF_METHODS, ROUTER_METHOD, assistant_config, build_methods, check_methods
-from bench.prompts import load_prompts
+from bench.prompts import BenchPrompt, load_prompts
 from bench.records import RunRecord
 from bench.report import machine_section, write_report
 from bench.summary import summarize
 from bench.verify_cost import DEFAULT_KS, DEFAULT_REPS, measure_verify_curve
-from policies.schema import load_policy
+from policies.schema import Policy, load_policy
 from policies.stats import MemoryStats
 from workers.config import EngineConfig, RoutingConfig
 from workers.engine import SpecEngine
@@ -63,6 +63,27 @@ class BenchArgs:
     concurrency: list[int] | None = None  # closed-loop client counts: the concurrency run instead
 
 
+def encode_checked(engine: SpecEngine, prompts: Sequence[BenchPrompt], params: SamplingParams) -> dict:
+    """Each prompt's token ids by question id; a prompt the engine refuses raises ValueError
+    naming the question (RequestError is a ValueError)."""
+    prompt_ids = {p.question_id: engine.encode(p.text) for p in prompts}
+    for p in prompts:
+        try:
+            engine.check_request(prompt_ids[p.question_id], params)
+        except ValueError as e:
+            raise ValueError(f"question {p.question_id} ({p.category}): {e}") from None
+    return prompt_ids
+
+
+def bench_router(engine: SpecEngine, policy: Policy, routing: RoutingConfig, *, batched: bool) -> Router:
+    """A router over fresh in-memory statistics (the run starts cold, as a new service would),
+    calibrated as `routing` says; `batched`: also the batch cost curve of the goodput rule."""
+    calibrate = routing.calibrate
+    costs = measure_costs(engine) if calibrate else None
+    batch_cost = measure_batch_cost(engine) if calibrate and batched else None
+    return Router(engine, policy, MemoryStats(), costs=costs, seed=routing.seed, batch_cost=batch_cost)
+
+
 def run_concurrency_bench(args: BenchArgs) -> dict:
     """The concurrency run (bench/concurrency.py): DIR/results.json with summary.concurrency,
     DIR/report.md and DIR/throughput.png."""
@@ -71,18 +92,11 @@ def run_concurrency_bench(args: BenchArgs) -> dict:
     prompts = load_prompts(args.prompts, args.per_category, args.categories, args.heldout_mod)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     engine = SpecEngine.from_config(args.config)
-    requests = [Request(p, engine.encode(p.text)) for p in prompts]
-    for r in requests:
-        try:
-            engine.check_request(r.prompt_ids, params)
-        except ValueError as e:
-            raise ValueError(f"question {r.prompt.question_id} ({r.prompt.category}): {e}") from None
+    prompt_ids = encode_checked(engine, prompts, params)
+    requests = [Request(p, prompt_ids[p.question_id]) for p in prompts]
     router = None
     if "router" in methods:
-        policy = load_policy(args.routing.policy_path())
-        costs = measure_costs(engine) if args.routing.calibrate else None
-        batch_cost = measure_batch_cost(engine) if args.routing.calibrate else None
-        router = Router(engine, policy, MemoryStats(), costs=costs, seed=args.routing.seed, batch_cost=batch_cost)
+        router = bench_router(engine, load_policy(args.routing.policy_path()), args.routing, batched=True)
     warm = requests[: max(0, args.warmup)]
     if warm:  # every method once, unmeasured
         run_levels(engine, router, warm, methods, [1], args.max_tokens,
@@ -123,12 +137,7 @@ def run_bench(args: BenchArgs) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens)
 
     engine = SpecEngine.from_config(args.config)
-    prompt_ids = {p.question_id: engine.encode(p.text) for p in prompts}
-    for p in prompts:  # RequestError is a ValueError: name the question
-        try:
-            engine.check_request(prompt_ids[p.question_id], params)
-        except ValueError as e:
-            raise ValueError(f"question {p.question_id} ({p.category}): {e}") from None
+    prompt_ids = encode_checked(engine, prompts, params)
 
     load_target = functools.cache(lambda: load_hf(args.config.target)[0])  # the target in transformers
     hf_model: PreTrainedModel | None = load_target() if set(methods) & set(HF_METHODS) else None
@@ -136,10 +145,7 @@ def run_bench(args: BenchArgs) -> dict:
     if "hf-assisted" in methods and (drafter := assistant_config(args.config)) is not None:
         # a drafter distilled for the target shares its embeddings (workers/target.py)
         assistant = load_hf(drafter.model, hf_model.get_input_embeddings().weight.detach())[0]
-    router = None
-    if policy is not None:  # fresh in-memory statistics: the run starts cold, as a new service would
-        costs = measure_costs(engine) if args.routing.calibrate else None
-        router = Router(engine, policy, MemoryStats(), costs=costs, seed=args.routing.seed)
+    router = bench_router(engine, policy, args.routing, batched=False) if policy is not None else None
     runners = build_methods(methods, engine, hf_model, assistant, router)
 
     for p in prompts[: max(0, args.warmup)]:
