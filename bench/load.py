@@ -5,6 +5,10 @@ timing them the way vLLM's serving benchmark does: time to first token (TTFT), t
 streamed chunks (ITL; a speculative step sends its tokens in one chunk), time per output token
 after the first (TPOT) and end-to-end latency. Runs with `--speculation none` and `auto` against
 the same server give the side-by-side throughput of plain and speculative serving.
+
+A long prompt (`long_prompt`) can be sent once, a third into the run, while the clients decode:
+the gaps in the other streams while it is prefilled show whether it stalls them (chunked
+prefill should keep those gaps near the ordinary ITL).
 """
 
 from __future__ import annotations
@@ -26,9 +30,20 @@ class RequestTiming:
     ok: bool
     ttft_s: float | None = None
     e2e_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)  # gaps between content chunks
+    chunk_at: list[float] = field(default_factory=list)  # perf_counter() of each content chunk
+    prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    sent_at: float = 0.0  # perf_counter() when the request was sent
+
+    @property
+    def itl_s(self) -> list[float]:
+        """The gaps between content chunks."""
+        return [b - a for a, b in zip(self.chunk_at, self.chunk_at[1:])]
+
+    def gaps(self, start: float, end: float, inside: bool = True) -> list[float]:
+        """The gaps whose later chunk came in [start, end] (inside False: the others)."""
+        return [b - a for a, b in zip(self.chunk_at, self.chunk_at[1:]) if (start <= b <= end) == inside]
 
     @property
     def tpot_s(self) -> float | None:
@@ -47,6 +62,19 @@ class LoadArgs:
     speculation: str  # "auto", "none" or a drafter name
     model: str | None = None
     timeout_s: float = 300.0
+    long_prompt: BenchPrompt | None = None  # sent once, at a third of the duration
+
+
+def long_prompt_text(prompts: list[BenchPrompt], num_tokens: int) -> BenchPrompt:
+    """A prompt of about `num_tokens` tokens (English runs ~4 characters a token; the report gives
+    the server's count) made of the benchmark prompts themselves, asked to be summarised."""
+    parts, size, i = ["Summarize the following requests in two sentences."], 0, 0
+    while size < 4 * num_tokens:
+        text = prompts[i % len(prompts)].text
+        parts.append(text)
+        size += len(text) + 2
+        i += 1
+    return BenchPrompt("long", "long", "\n\n".join(parts)[: 4 * num_tokens])
 
 
 def one_request(session: requests.Session, args: LoadArgs, prompt: BenchPrompt) -> RequestTiming:
@@ -57,8 +85,7 @@ def one_request(session: requests.Session, args: LoadArgs, prompt: BenchPrompt) 
     if args.model:
         body["model"] = args.model
     t0 = time.perf_counter()
-    timing = RequestTiming(ok=False)
-    last = None
+    timing = RequestTiming(ok=False, sent_at=t0)
     try:
         with session.post(f"{args.url}/v1/chat/completions", json=body, stream=True, timeout=args.timeout_s) as r:
             if r.status_code != 200:
@@ -76,10 +103,9 @@ def one_request(session: requests.Session, args: LoadArgs, prompt: BenchPrompt) 
                 if event.get("choices") and event["choices"][0]["delta"].get("content"):
                     if timing.ttft_s is None:
                         timing.ttft_s = now - t0
-                    elif last is not None:
-                        timing.itl_s.append(now - last)
-                    last = now
+                    timing.chunk_at.append(now)
                 if event.get("usage"):
+                    timing.prompt_tokens = event["usage"]["prompt_tokens"]
                     timing.completion_tokens = event["usage"]["completion_tokens"]
     except (requests.RequestException, ValueError) as e:
         return RequestTiming(ok=False, error=f"{type(e).__name__}: {e}"[:200])
@@ -105,13 +131,25 @@ def run_load(args: LoadArgs) -> dict:
                 with lock:
                     timings.append(timing)
 
+    long: list[RequestTiming] = []
+
+    def send_long(prompt: BenchPrompt) -> None:
+        time.sleep(args.duration_s / 3)
+        with requests.Session() as session:
+            long.append(one_request(session, args, prompt))
+
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, daemon=True) for _ in range(args.clients)]
+    if args.long_prompt is not None:
+        threads.append(threading.Thread(target=send_long, args=(args.long_prompt,), daemon=True))
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return summarize(timings, time.perf_counter() - t0, args)
+    summary = summarize(timings, time.perf_counter() - t0, args)
+    if long:
+        summary["long_prompt"] = long_prompt_summary(long[0], timings)
+    return summary
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -139,6 +177,21 @@ def summarize(timings: list[RequestTiming], wall_s: float, args: LoadArgs) -> di
     }
 
 
+def long_prompt_summary(long: RequestTiming, others: list[RequestTiming]) -> dict:
+    """The long request's own timings, and the other streams' gaps while it was prefilled (from
+    sending it to its first token) against their gaps otherwise."""
+    end = long.sent_at + (long.ttft_s if long.ttft_s is not None else 0.0)
+    during = [g for t in others if t.ok for g in t.gaps(long.sent_at, end)]
+    outside = [g for t in others if t.ok for g in t.gaps(long.sent_at, end, inside=False)]
+    return {
+        "ok": long.ok, "error": long.error, "prompt_tokens": long.prompt_tokens, "ttft_s": long.ttft_s,
+        "e2e_s": long.e2e_s, "others_itl_during_prefill_p50_s": _pct(during, 50),
+        "others_itl_during_prefill_p99_s": _pct(during, 99),
+        "others_itl_during_prefill_max_s": max(during, default=None),
+        "others_itl_outside_p99_s": _pct(outside, 99), "num_gaps_during_prefill": len(during),
+    }
+
+
 def write_load_report(runs: list[dict], out: Path, command: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "load.json").write_text(json.dumps({"runs": runs, "command": command}, indent=2))
@@ -157,6 +210,15 @@ def write_load_report(runs: list[dict], out: Path, command: str) -> Path:
             f"| {ms(r['ttft_p50_s'])} / {ms(r['ttft_p99_s'])} | {ms(r['itl_p50_s'])} / {ms(r['itl_p99_s'])} "
             f"| {ms(r['tpot_p50_s'])} / {ms(r['tpot_p99_s'])} | {ms(r['e2e_p50_s'])} / {ms(r['e2e_p99_s'])} |"
         )
+    for r in runs:
+        if (long := r.get("long_prompt")) is not None:
+            lines += ["", (
+                f"{r['speculation']}, {r['clients']} clients: a {long['prompt_tokens']}-token prompt "
+                f"({'ok' if long['ok'] else long['error']}) had its first token after {ms(long['ttft_s'])} ms; "
+                f"the other streams' gaps meanwhile: p50 {ms(long['others_itl_during_prefill_p50_s'])}, p99 "
+                f"{ms(long['others_itl_during_prefill_p99_s'])}, max {ms(long['others_itl_during_prefill_max_s'])} ms "
+                f"({long['num_gaps_during_prefill']} gaps), against p99 {ms(long['others_itl_outside_p99_s'])} ms "
+                "otherwise")]
     report = out / "load.md"
     report.write_text("\n".join(["# SpecRoute load run", "", *lines, "", "```", command, "```", ""]))
     return report

@@ -34,12 +34,12 @@ def _comma_list(value: str, flag: str) -> list[str]:
     return items
 
 
-def _levels(value: str) -> list[int]:
-    """--concurrency: positive client counts, ascending, each once."""
+def _levels(value: str, flag: str = "--concurrency") -> list[int]:
+    """Positive client counts, ascending, each once."""
     levels = []
-    for item in _comma_list(value, "--concurrency"):
+    for item in _comma_list(value, flag):
         if not item.isdigit() or int(item) < 1:
-            raise CLIError(f"--concurrency: {item!r} is not a positive number of clients")
+            raise CLIError(f"{flag}: {item!r} is not a positive number of clients")
         levels.append(int(item))
     return sorted(set(levels))
 
@@ -180,20 +180,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from bench.load import LoadArgs, run_load, write_load_report
+    from bench.load import LoadArgs, long_prompt_text, run_load, write_load_report
     from bench.prompts import load_prompts
 
     _existing_file(args.prompts, "--prompts")
     modes = _comma_list(args.speculation, "--speculation")
+    levels = _levels(args.clients, "--clients")
     try:
         prompts = load_prompts(args.prompts, args.per_category, None, args.heldout_mod)
     except ValueError as e:
         raise CLIError(str(e)) from None
+    long = long_prompt_text(prompts, args.long_prompt_tokens) if args.long_prompt_tokens else None
     runs = []
-    for mode in modes:
-        print(f"load: {args.clients} clients, {args.duration:g} s, speculation {mode} ...", file=sys.stderr)
-        runs.append(run_load(LoadArgs(args.url.rstrip("/"), prompts, args.clients, args.duration, args.max_tokens,
-                                      mode, args.model)))
+    for clients in levels:
+        for mode in modes:
+            print(f"load: {clients} clients, {args.duration:g} s, speculation {mode} ...", file=sys.stderr)
+            runs.append(run_load(LoadArgs(args.url.rstrip("/"), prompts, clients, args.duration, args.max_tokens,
+                                          mode, args.model, long_prompt=long)))
     report = write_load_report(runs, args.out, " ".join(sys.argv))
     print(report.read_text())
     return 0 if all(r["errors"] == 0 for r in runs) else 1
@@ -375,11 +378,14 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--prompts", type=Path, required=True, help="JSONL in Spec-Bench's format")
     load.add_argument("--per-category", type=_positive_int, default=5)
     load.add_argument("--heldout-mod", type=_positive_int, default=None)
-    load.add_argument("--clients", type=_positive_int, default=8)
+    load.add_argument("--clients", default="8", help="comma-separated client counts, run one after another")
     load.add_argument("--duration", type=float, default=60.0, help="seconds per mode")
     load.add_argument("--max-tokens", type=_positive_int, default=128)
     load.add_argument("--speculation", default="none,auto", help="comma-separated modes, run one after another")
     load.add_argument("--model", default=None)
+    load.add_argument("--long-prompt-tokens", type=_positive_int, default=None,
+                      help="send one prompt of about this many tokens a third into each run: do the other "
+                           "streams stall while it is prefilled?")
     load.add_argument("--out", type=Path, required=True)
     load.set_defaults(func=cmd_load)
 

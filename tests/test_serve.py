@@ -332,15 +332,20 @@ def test_worker_errors_map_to_openai_errors() -> None:
 def test_load_run_against_the_app(base_url: str, tmp_path: Path) -> None:
     """`specroute load`'s client on the real app: concurrent streams, no errors, timings in
     order, a report per mode."""
-    from bench.load import LoadArgs, run_load, write_load_report
+    from bench.load import LoadArgs, long_prompt_text, run_load, write_load_report
     from bench.prompts import BenchPrompt
 
     prompts = [BenchPrompt(i, "chat", text) for i, text in enumerate(["Hello there", "Count to five", "Say hi"])]
-    runs = [run_load(LoadArgs(base_url, prompts, clients=3, duration_s=2.0, max_tokens=8, speculation=mode,
-                              model=MODEL)) for mode in ("none", "auto")]
+    long = long_prompt_text(prompts, 200)
+    runs = [run_load(LoadArgs(base_url, prompts, clients=3, duration_s=3.0, max_tokens=8, speculation=mode,
+                              model=MODEL, long_prompt=long)) for mode in ("none", "auto")]
     for run in runs:
         assert run["errors"] == 0 and run["requests"] >= 3, run
         assert run["completion_tokens"] > 0 and run["tokens_per_s"] > 0
         assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"] <= run["e2e_p99_s"]
+        sent = run["long_prompt"]
+        assert sent["ok"] and 150 < sent["prompt_tokens"] < 400, sent  # about the 200 tokens asked for (+ chat template)
+        assert 0 < sent["ttft_s"] <= sent["e2e_s"]
     report = write_load_report(runs, tmp_path, "specroute load --test").read_text()
     assert report.count("| none |") == 1 and report.count("| auto |") == 1
+    assert report.count("-token prompt (ok) had its first token after") == 2
