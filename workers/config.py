@@ -71,6 +71,11 @@ class ModelConfig(_Strict):
 
 class TargetConfig(ModelConfig):
     max_model_len: int = Field(2048, gt=0, description="context limit: prompt + generated tokens")
+    weights: Literal["float32", "int4"] = Field(
+        "float32",
+        description="the layer products' weights: float32 (dequantised), or int4: a Q4_0 / Q4_1 GGUF file's own "
+                    "4-bit blocks through torch's int4 kernel (CPU, fast backend; workers/models/quant.py)",
+    )
 
 
 class NgramDrafterConfig(_Strict):

@@ -26,8 +26,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from workers.config import ModelConfig, default_cache_dir
-from workers.models import hf, llama
+from workers.config import ModelConfig, TargetConfig, default_cache_dir
+from workers.models import hf, llama, quant
 from workers.models.base import CausalLM
 
 log = logging.getLogger(__name__)
@@ -102,10 +102,15 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     return out
 
 
+def _model_path(cfg: ModelConfig) -> Path:
+    spec = cfg.model
+    return _resolve_pkg(spec) if spec.startswith("pkg:") else (cfg.local_path() or Path(spec).expanduser())
+
+
 def resolve_source(cfg: ModelConfig) -> Path | str:
     """A local model directory, or a hub id for transformers to find in its own cache."""
     spec = cfg.model
-    path = _resolve_pkg(spec) if spec.startswith("pkg:") else (cfg.local_path() or Path(spec).expanduser())
+    path = _model_path(cfg)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"model {spec!r}: no file {path}")
@@ -213,6 +218,22 @@ def load_model(cfg: ModelConfig, embeddings: torch.Tensor | None = None) -> Load
     if vocab is not None and (vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= size):
         raise ModelLoadError(f"{Path(source) / DRAFT_VOCAB_FILE}: token ids must be in 0..{size - 1} "
                              f"(the vocabulary size is {size}), and there must be at least one")
-    model: CausalLM = llama.FastLlama(hf_model, eos, vocab) if use_fast else hf.HFCausalLM(hf_model, eos)
+    quantized = _read_quantized(cfg, hf_model) if isinstance(cfg, TargetConfig) and cfg.weights == "int4" else None
+    if quantized is not None and not use_fast:
+        raise ModelLoadError(f"model {cfg.model!r}: weights 'int4' runs on the fast backend only")
+    model: CausalLM = llama.FastLlama(hf_model, eos, vocab, quantized) if use_fast else hf.HFCausalLM(hf_model, eos)
     name = Path(cfg.model).stem if cfg.model.startswith("pkg:") else str(cfg.model)
     return LoadedModel(model=model, tokenizer=tokenizer, source_dir=source, name=name, draft_vocab=vocab)
+
+
+def _read_quantized(cfg: TargetConfig, hf_model: PreTrainedModel) -> dict[str, quant.Int4Weight]:
+    path = _model_path(cfg)
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"model {cfg.model!r}: weights 'int4' needs a .gguf file with Q4_0 or Q4_1 layers")
+    if torch.device(cfg.device).type != "cpu":
+        raise ModelLoadError(f"weights 'int4' runs on CPU; on {cfg.device} use weights 'float32' with dtype bfloat16")
+    c = hf_model.config
+    try:
+        return quant.read_gguf_int4(path, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads)
+    except quant.QuantError as e:
+        raise ModelLoadError(str(e)) from None

@@ -6,7 +6,9 @@ Why not transformers' own forward: a verify step must cost little more than a pl
   * q/k/v and gate/up are fused into one product each;
   * the kernel is chosen by row count (`Linear`): a 1-2 row step streams a transposed,
     contiguous weight (`x @ W_t`), a verify step of 3+ rows uses MKL's packed GEMM.
-Weights come from a loaded transformers model, so every checkpoint format it reads works here.
+Weights come from a loaded transformers model, so every checkpoint format it reads works here;
+with `quantized` weights the layer products run on a GGUF file's 4-bit blocks instead
+(workers/models/quant.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from workers.models.base import ForwardOutput, ModelInfo, SeqInput, forward_each
+from workers.models.quant import Int4Linear, Int4Weight
 from workers.tree import DraftTree
 
 # rope types whose frequencies depend on the sequence length are left to transformers
@@ -149,11 +152,11 @@ class KVPool:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # [hidden]
-    qkv: Linear  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim
-    o: Linear  # num_heads * head_dim -> hidden
+    qkv: Linear | Int4Linear  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim
+    o: Linear | Int4Linear  # num_heads * head_dim -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Linear  # hidden -> 2 * intermediate
-    down: Linear  # intermediate -> hidden
+    gate_up: Linear | Int4Linear  # hidden -> 2 * intermediate
+    down: Linear | Int4Linear  # intermediate -> hidden
 
 
 # A product's best kernel depends on the machine and on the number of rows (1 for a decode step,
@@ -238,7 +241,8 @@ class Linear:
             return torch.ops.mkl._mkl_linear(x, self.packed, self.w_t.t(), None, x.shape[0])
         return x @ self.w_t
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, in] -> [n, out]
+    def __call__(self, x: torch.Tensor, num_scored: int | None = None) -> torch.Tensor:  # x: [n, in] -> [n, out]
+        """`num_scored`: see Int4Linear (float32 computes every row the same way)."""
         return self.run(self.plan[_bucket(x.shape[0])], x)
 
 
@@ -247,9 +251,12 @@ class FastLlama:
 
     def __init__(
         self, hf_model: PreTrainedModel, eos_token_ids: frozenset[int], head_rows: torch.Tensor | None = None,
+        quantized: Mapping[str, Int4Weight] | None = None,
     ) -> None:
         """`head_rows`: token ids the lm_head computes logits for, in that order (a drafter's
-        reduced vocabulary: logits column i is token head_rows[i]); None: the whole vocabulary."""
+        reduced vocabulary: logits column i is token head_rows[i]); None: the whole vocabulary.
+        `quantized`: the layer products' 4-bit weights by name (workers/models/quant.py), used
+        instead of the model's float ones (the embeddings and lm_head stay float)."""
         cfg = hf_model.config
         if not supports(cfg):
             raise ValueError(f"FastLlama does not support {cfg.model_type} with this config")
@@ -260,14 +267,21 @@ class FastLlama:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.eps = cfg.rms_norm_eps
+
+        def product(*names: str) -> Linear | Int4Linear:  # one product over the weights stacked
+            if quantized is not None:
+                return Int4Linear(Int4Weight.cat([quantized[n] for n in names]))
+            return Linear(torch.cat([sd[n] for n in names]))
+
+        attn, mlp = "model.layers.{}.self_attn.{}_proj.weight", "model.layers.{}.mlp.{}_proj.weight"
         self.layers = [
             _Layer(
                 input_norm=sd[f"model.layers.{i}.input_layernorm.weight"],
-                qkv=Linear(torch.cat([sd[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"])),
-                o=Linear(sd[f"model.layers.{i}.self_attn.o_proj.weight"]),
+                qkv=product(*(attn.format(i, p) for p in "qkv")),
+                o=product(attn.format(i, "o")),
                 post_norm=sd[f"model.layers.{i}.post_attention_layernorm.weight"],
-                gate_up=Linear(torch.cat([sd[f"model.layers.{i}.mlp.{p}_proj.weight"] for p in ("gate", "up")])),
-                down=Linear(sd[f"model.layers.{i}.mlp.down_proj.weight"]),
+                gate_up=product(mlp.format(i, "gate"), mlp.format(i, "up")),
+                down=product(mlp.format(i, "down")),
             )
             for i in range(cfg.num_hidden_layers)
         ]
@@ -348,7 +362,8 @@ class FastLlama:
             )  # [1, nh, n, d]
             return attn[0].transpose(0, 1).reshape(n, nh * d)
 
-        x = self._layers(self.embed[input_ids], cos, sin, attend)
+        # a prompt's prefill (last_only) fills the cache; every other row is scored
+        x = self._layers(self.embed[input_ids], cos, sin, attend, 0 if last_only else n)
         cache.extend(n)
 
         if return_hidden:  # every position's hidden state; logits still only where asked
@@ -357,21 +372,25 @@ class FastLlama:
         h = F.rms_norm(x[-1:] if last_only else x, x.shape[-1:], self.final_norm, self.eps)
         return ForwardOutput(logits=self.lm_head(h).float())
 
-    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: _Attend) -> torch.Tensor:
+    def _layers(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: _Attend, num_scored: int,
+    ) -> torch.Tensor:
         """The decoder layers over x [n, hidden]; `attend(layer, q, k, v)` stores the new keys and
-        values and returns the attention output [n, heads * head_dim]."""
-        n = x.shape[0]
+        values and returns the attention output [n, heads * head_dim]. The first `num_scored`
+        rows are ones whose logits are read, the rest only fill the cache (prompt prefill):
+        quantized products compute the two kinds differently (workers/models/quant.py)."""
+        n, a = x.shape[0], num_scored
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, x.shape[-1:], layer.input_norm, self.eps)
-            qkv = layer.qkv(h).view(n, nh + 2 * nkv, d)
+            qkv = layer.qkv(h, a).view(n, nh + 2 * nkv, d)
             # rotate q and k heads in one go: x * cos + rotate_half(x) * sin
             qk = qkv[:, : nh + nkv]
             qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
-            x = x + layer.o(attend(i, qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]))
+            x = x + layer.o(attend(i, qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]), a)
             h = F.rms_norm(x, x.shape[-1:], layer.post_norm, self.eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            gate, up = layer.gate_up(h, a).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up, a)
         return x
 
     @torch.inference_mode()
@@ -382,9 +401,14 @@ class FastLlama:
         block for the products. Attention reads each sequence's keys in place: sequences of
         similar shape share one call over their slot range, queries padded to the group's
         longest and masked to their own keys (causal, or the draft tree's ancestry)
-        (`_attention_groups`). A batch of one runs `forward` (the same numerics as alone)."""
+        (`_attention_groups`). A batch of one runs `forward` (the same numerics as alone).
+        Sequences whose logits are all read (decode and verify steps) are packed first."""
         if len(batch) == 1:
             return forward_each(self, batch, return_hidden)
+        order = sorted(range(len(batch)), key=lambda b: batch[b].logits != "all")  # stable
+        if order != list(range(len(batch))):
+            outputs = self.forward_batch([batch[b] for b in order], return_hidden=return_hidden)
+            return [out for _, out in sorted(zip(order, outputs), key=lambda pair: pair[0])]
         pool = batch[0].cache.pool
         slots = [s.cache.slot for s in batch]
         if pool is None or any(s.cache.pool is not pool for s in batch) or len(set(slots)) != len(slots):
@@ -422,7 +446,8 @@ class FastLlama:
             return out
 
         ids = torch.cat([s.input_ids for s in batch]).to(dev)
-        x = self._layers(self.embed[ids], cos, sin, attend)
+        num_scored = sum(n for s, n in zip(batch, lens) if s.logits == "all")
+        x = self._layers(self.embed[ids], cos, sin, attend, num_scored)
         for s, n in zip(batch, lens):
             s.cache.extend(n)
 

@@ -1,0 +1,152 @@
+"""The target's products on its GGUF file's own 4-bit weights (`target.weights: int4`).
+
+A Q4_0 / Q4_1 tensor stores each group of 32 weights of a row as 4-bit values q with one scale
+d (and, for Q4_1, a minimum m): w = d * q + m. torch's weight-only int4 kernel computes
+x @ W.T from exactly that shape of data (w = (q - 8) * scale + zero per group), reading a
+quarter of float32's bytes, so a decode step streams ~70 MB of layer weights instead of ~440.
+The kernel takes bfloat16 activations: the scales and zeros are rounded to bfloat16 once, and a
+product's input is rounded to bfloat16 (its output is returned as float32; norms, attention and
+the residual stream stay float32).
+
+Rows are computed two ways, each the same for a row whatever else is in the product (tested):
+rows whose logits are read (decode and verification) always go through the int4 kernel, rows
+that only fill the cache (prompt prefill) through a dense bfloat16 copy of the same weights,
+which runs a 256-row chunk ~3x faster than the int4 kernel. Which way a row goes therefore
+never depends on the batch it shares a forward with, and speculative output stays identical to
+plain output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GROUP_SIZE = 32  # weights per Q4_0 / Q4_1 block
+_INNER_K_TILES = 2  # the int4 packing's tile factor (the kernel's default for CPU)
+_COMPUTE_DTYPE = torch.bfloat16  # what the int4 kernel multiplies in
+
+# GGUF tensor name -> Hugging Face name of a Llama layer's products; "{i}" is the layer
+_LAYER_TENSORS = {
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+class QuantError(ValueError):
+    """The file cannot be run as int4 (its layers are not Q4_0 / Q4_1, or the shapes do not fit)."""
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """An [out, in] weight as 4-bit values with per-(row, group) scale and zero:
+    w[o, j] = (q[o, j] - 8) * scales[j // 32, o] + zeros[j // 32, o]."""
+
+    q: torch.Tensor  # [out, in] int32, 0..15
+    scales: torch.Tensor  # [in / 32, out] float32
+    zeros: torch.Tensor  # [in / 32, out] float32
+
+    def dequantize(self) -> torch.Tensor:
+        """[out, in] float32."""
+        s = self.scales.t().repeat_interleave(GROUP_SIZE, dim=1)
+        z = self.zeros.t().repeat_interleave(GROUP_SIZE, dim=1)
+        return (self.q.float() - 8) * s + z
+
+    def rows(self, index: torch.Tensor) -> Int4Weight:
+        return Int4Weight(self.q[index], self.scales[:, index], self.zeros[:, index])
+
+    @staticmethod
+    def cat(parts: list[Int4Weight]) -> Int4Weight:
+        """The weights stacked along `out` (a fused q/k/v or gate/up product)."""
+        return Int4Weight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts], dim=1),
+                          torch.cat([p.zeros for p in parts], dim=1))
+
+
+def _blocks(data: np.ndarray, type_name: str) -> Int4Weight:
+    """Decode a Q4_0 / Q4_1 tensor's bytes ([out, blocks * block_bytes] uint8)."""
+    has_min = type_name == "Q4_1"
+    block = 20 if has_min else 18  # fp16 d [+ fp16 m] + 16 bytes of nibbles
+    out = data.shape[0]
+    raw = np.ascontiguousarray(data).reshape(out, -1, block)
+    d = raw[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, groups]
+    m = raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else None
+    qs = raw[:, :, block - 16 :]
+    # a block's element j < 16 is the low nibble of byte j, element j + 16 its high nibble
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(out, -1).astype(np.int32)
+    # w = d * q + m = (q - 8) * d + (m + 8 d); Q4_0: w = d * (q - 8)
+    zeros = m + 8 * d if m is not None else np.zeros_like(d)
+    scales, zeros = torch.from_numpy(d).t().contiguous(), torch.from_numpy(zeros).t().contiguous()
+    return Int4Weight(torch.from_numpy(q), scales, zeros)
+
+
+def _unpermute_rope_rows(w: Int4Weight, num_heads: int) -> Int4Weight:
+    """GGUF stores q and k rows in llama.cpp's rotary order; undo it (as transformers does)."""
+    out = w.q.shape[0]
+    half = out // num_heads // 2
+    index = torch.arange(out).view(num_heads, half, 2).transpose(1, 2).reshape(out)
+    return w.rows(index)
+
+
+def read_gguf_int4(path: Path, num_layers: int, num_heads: int, num_kv_heads: int) -> dict[str, Int4Weight]:
+    """Every layer product of a Llama GGUF file as Int4Weight, by Hugging Face name."""
+    import gguf  # only here: the float path never needs it
+
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    weights: dict[str, Int4Weight] = {}
+    for i in range(num_layers):
+        for gguf_name, hf_name in _LAYER_TENSORS.items():
+            name = gguf_name.format(i=i)
+            t = tensors.get(name)
+            if t is None:
+                raise QuantError(f"{path}: no tensor {name}")
+            if t.tensor_type.name not in ("Q4_0", "Q4_1"):
+                raise QuantError(f"{path}: {name} is {t.tensor_type.name}; weights 'int4' needs Q4_0 or Q4_1 layers")
+            w = _blocks(t.data, t.tensor_type.name)
+            if name.endswith("attn_q.weight"):
+                w = _unpermute_rope_rows(w, num_heads)
+            elif name.endswith("attn_k.weight"):
+                w = _unpermute_rope_rows(w, num_kv_heads)
+            weights[hf_name.format(i=i)] = w
+    return weights
+
+
+class Int4Linear:
+    """y = x @ W.T for an Int4Weight: the first `num_scored` rows through the int4 kernel, the
+    rest through the dense bfloat16 copy (see the module docstring). x and y are float32."""
+
+    def __init__(self, weight: Int4Weight) -> None:
+        if weight.q.device.type != "cpu":
+            raise QuantError("weights 'int4' run on CPU (torch's int4 kernel for CPU)")
+        out_features, in_features = weight.q.shape
+        if in_features % GROUP_SIZE or out_features % 8:
+            raise QuantError(f"an int4 product needs in % {GROUP_SIZE} == 0 and out % 8 == 0, got [{out_features}, "
+                             f"{in_features}]")
+        scales, zeros = weight.scales.to(_COMPUTE_DTYPE), weight.zeros.to(_COMPUTE_DTYPE)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q, _INNER_K_TILES)
+        self.scales_zeros = torch.stack([scales, zeros], dim=-1).contiguous()  # [in / 32, out, 2]
+        # the dense copy holds the same values the kernel computes with (bf16 scales and zeros)
+        dense = Int4Weight(weight.q, scales.float(), zeros.float()).dequantize()
+        self.w_t = dense.to(_COMPUTE_DTYPE).t().contiguous()  # [in, out]
+
+    def __call__(self, x: torch.Tensor, num_scored: int | None = None) -> torch.Tensor:
+        n = x.shape[0]
+        a = n if num_scored is None else num_scored
+        xb = x.to(_COMPUTE_DTYPE)
+        if a == n:
+            y = self._int4(xb)
+        elif a == 0:
+            y = xb @ self.w_t
+        else:
+            y = torch.cat([self._int4(xb[:a]), xb[a:] @ self.w_t])
+        return y.float()
+
+    def _int4(self, xb: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE, self.scales_zeros)
