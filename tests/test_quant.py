@@ -1,7 +1,7 @@
-"""`target.weights: int4`: the shipped GGUF file's 4-bit blocks read exactly, products that compute
-a row the same way whatever else is in the forward, and speculative and batched decoding on the
-int4 target against its own plain decoding: identical, or apart only where the target's top two
-logits are within the int4 path's rounding spread (INT4_TIE, docs/benchmarks.md)."""
+"""`target.weights: int4`: the shipped GGUF file's 4-bit blocks read exactly; a row's logits the
+same alone, in a verify chain and in a batch (the int4 products and the attention are
+row-invariant); speculative and batched decoding on the int4 target identical to its own plain
+decoding."""
 
 from __future__ import annotations
 
@@ -14,14 +14,12 @@ from safetensors.torch import load_file
 from workers.batch import BatchEngine
 from workers.config import PLAIN, EngineConfig, ModelConfig, NgramDrafterConfig, TargetConfig
 from workers.engine import SpecEngine, StepOrder
+from workers.models.base import SeqInput
 from workers.models.quant import GROUP_SIZE, Int4Linear, Int4Weight, read_gguf_int4
 from workers.sampling import SamplingParams
 from workers.target import ModelLoadError, _resolve_pkg, load_model
 
 TARGET_GGUF = ModelConfig().model
-# the largest logit difference measured between a row computed alone, in a verify chain and in a
-# batch (bfloat16 rounding before each product turns attention's float32 rounding into this)
-INT4_TIE = 1.0
 
 
 def test_int4_weights_are_the_files_values(target_dir: Path) -> None:
@@ -43,21 +41,19 @@ def _random_weight(out: int, inp: int, seed: int = 0) -> Int4Weight:
                       torch.rand(groups, out, generator=g) * 0.02, torch.randn(groups, out, generator=g) * 0.05)
 
 
-def test_an_int4_row_is_computed_the_same_whatever_the_rows_around_it() -> None:
-    """Scored rows (int4 kernel) and prefill rows (dense bfloat16) are each batch-invariant, bit
-    for bit, and both are the weights' product up to bfloat16 rounding."""
+def test_an_int4_product_computes_a_row_the_same_whatever_the_rows_around_it() -> None:
+    """Bit for bit at every row count (a verify step, a batch, a prompt chunk), and the weights'
+    product up to bfloat16 rounding."""
     w = _random_weight(96, 128)
     lin = Int4Linear(w)
-    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(1))
-    scored, bulk = lin(x[:1]), lin(x[:1], num_scored=0)
-    for rows in (2, 3, 16, 40):
-        assert torch.equal(lin(x[:rows])[:1], scored)
-        assert torch.equal(lin(x[:rows], num_scored=0)[:1], bulk)
-    mixed = lin(x[:10], num_scored=4)
-    assert torch.equal(mixed[:4], lin(x[:4])) and torch.equal(mixed[4:], lin(x[4:10], num_scored=0))
-    exact = x[:10] @ w.dequantize().t()
-    for y in (lin(x[:10]), lin(x[:10], num_scored=0)):
-        assert (y - exact).abs().max() <= 2e-2 * exact.abs().max()
+    x = torch.randn(300, 128, generator=torch.Generator().manual_seed(1))
+    first, last = lin(x[:1]), lin(x[299:])
+    for rows in (2, 3, 16, 64, 120, 300):
+        y = lin(x[:rows])
+        assert torch.equal(y[:1], first)
+    assert torch.equal(y[299:], last)
+    exact = x[:16] @ w.dequantize().t()
+    assert (lin(x[:16]) - exact).abs().max() <= 2e-2 * exact.abs().max()
 
 
 def test_int4_needs_a_gguf_file(tiny_llama_dir: Path) -> None:
@@ -79,7 +75,29 @@ def int4_prompts(int4_engine: SpecEngine, spec_bench) -> list[list[int]]:
     return [int4_engine.encode(q["turns"][0]) for q in questions]
 
 
-def assert_same_or_int4_tie(engine: SpecEngine, prompt: list[int], got: list[int], expected: list[int]) -> None:
+def test_an_int4_rows_logits_are_the_same_alone_in_a_verify_chain_and_in_a_batch(
+    int4_engine: SpecEngine, int4_prompts: list[list[int]],
+) -> None:
+    """Rounding each product's input to bfloat16 magnifies float32 differences ~10^4-fold, so
+    this holds only because the attention is row-invariant too: the logits differ by the float32
+    lm_head's kernel choice at most, as on the float32 target."""
+    model = int4_engine.target.model
+    pool = model.new_pool(len(int4_prompts), 1024)
+    caches = [pool.allocate() for _ in int4_prompts]
+    heads, tails = [torch.tensor(p[:-6]) for p in int4_prompts], [torch.tensor(p[-6:]) for p in int4_prompts]
+    model.forward_batch([SeqInput(h, c, "none") for h, c in zip(heads, caches)])  # prefill side by side
+    batched = model.forward_batch([SeqInput(t, c, "all") for t, c in zip(tails, caches)])
+    for head, tail, out in zip(heads, tails, batched):
+        alone = model.new_cache(1024)
+        model.forward(head, alone, last_only=True)
+        chain = model.forward(tail, alone).logits
+        alone.truncate(head.numel())
+        steps = torch.cat([model.forward(tail[i : i + 1], alone).logits for i in range(6)])
+        torch.testing.assert_close(chain, steps, atol=2e-4, rtol=0)
+        torch.testing.assert_close(out.logits, steps, atol=2e-4, rtol=0)
+
+
+def assert_same_or_tie(engine: SpecEngine, prompt: list[int], got: list[int], expected: list[int]) -> None:
     if got == expected:
         return
     i = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
@@ -87,20 +105,20 @@ def assert_same_or_int4_tie(engine: SpecEngine, prompt: list[int], got: list[int
     logits = model.forward(torch.tensor(prompt + expected[:i]), model.new_cache(len(prompt) + i + 1),
                            last_only=True).logits[0]
     top2 = logits.topk(2).values
-    assert (top2[0] - top2[1]).item() < INT4_TIE, f"position {i}: {got[i:i + 3]} vs {expected[i:i + 3]}, top-2 {top2}"
+    assert (top2[0] - top2[1]).item() < 2e-4, f"position {i}: {got[i:i + 3]} vs {expected[i:i + 3]}, top-2 {top2}"
 
 
-def test_int4_target_speculative_and_batched_output_follows_its_plain_output(
+def test_int4_target_speculative_and_batched_output_equals_its_plain_output(
     int4_engine: SpecEngine, int4_prompts: list[list[int]],
 ) -> None:
     """Prompt lookup alone, and a batch mixing plain and prompt-lookup requests (more requests
-    than slots, prompts prefilled in chunks beside decode rows), against the int4 target's own
-    plain output."""
+    than slots, prompts prefilled in chunks beside decode rows): the int4 target's own plain
+    output (a differing token only at a float32 tie of the top two logits)."""
     params = SamplingParams(max_tokens=48)
     plain = [int4_engine.generate(p, params).token_ids for p in int4_prompts]
     drafted = [int4_engine.generate(p, params, drafter="ngram", draft_len=6) for p in int4_prompts]
     for prompt, r, expected in zip(int4_prompts, drafted, plain):
-        assert_same_or_int4_tie(int4_engine, prompt, r.token_ids, expected)
+        assert_same_or_tie(int4_engine, prompt, r.token_ids, expected)
     assert sum(r.num_accepted_tokens for r in drafted) > 0  # the summaries copy their articles
 
     batch = BatchEngine(int4_engine)
@@ -110,4 +128,4 @@ def test_int4_target_speculative_and_batched_output_follows_its_plain_output(
         step = batch.step({g: orders[g] for g in batch.schedule()})
         assert not step.failed
     for prompt, gen, expected in zip(int4_prompts, gens, plain):
-        assert_same_or_int4_tie(int4_engine, prompt, gen.output_ids, expected)
+        assert_same_or_tie(int4_engine, prompt, gen.output_ids, expected)

@@ -57,10 +57,12 @@ class StaticKVCache:
     @classmethod
     def empty(
         cls, num_layers: int, num_kv_heads: int, capacity: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device,
+        dtype: torch.dtype, device: torch.device, zeroed: bool = False,
     ) -> StaticKVCache:
+        """`zeroed`: finite everywhere (attention that reads masked keys past the length needs it)."""
         shape = (num_layers, num_kv_heads, capacity, head_dim)
-        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+        new = torch.zeros if zeroed else torch.empty
+        return cls(new(shape, dtype=dtype, device=device), new(shape, dtype=dtype, device=device))
 
     @property
     def length(self) -> int:
@@ -241,8 +243,7 @@ class Linear:
             return torch.ops.mkl._mkl_linear(x, self.packed, self.w_t.t(), None, x.shape[0])
         return x @ self.w_t
 
-    def __call__(self, x: torch.Tensor, num_scored: int | None = None) -> torch.Tensor:  # x: [n, in] -> [n, out]
-        """`num_scored`: see Int4Linear (float32 computes every row the same way)."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, in] -> [n, out]
         return self.run(self.plan[_bucket(x.shape[0])], x)
 
 
@@ -261,6 +262,8 @@ class FastLlama:
         if not supports(cfg):
             raise ValueError(f"FastLlama does not support {cfg.model_type} with this config")
         sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
+        # every row computed the same way whatever shares its forward (see _INVARIANT_MIN_QUERIES)
+        self.batch_invariant = quantized is not None
         self.device = next(hf_model.parameters()).device
         self.dtype = next(hf_model.parameters()).dtype
         self.num_heads = cfg.num_attention_heads
@@ -306,15 +309,20 @@ class FastLlama:
         self.sin_signed = (torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1) * scale).to(self.dtype)
 
     def new_cache(self, capacity: int) -> StaticKVCache:
-        if capacity > self.info.max_position:
-            raise ValueError(f"cache capacity {capacity} exceeds the model's {self.info.max_position} positions")
+        capacity = self._cache_capacity(capacity)
         return StaticKVCache.empty(len(self.layers), self.num_kv_heads, capacity, self.head_dim, self.dtype,
-                                   self.device)
+                                   self.device, zeroed=self.batch_invariant)
 
     def new_pool(self, num_slots: int, capacity: int) -> KVPool:
+        capacity = self._cache_capacity(capacity)
+        return KVPool(len(self.layers), num_slots, self.num_kv_heads, capacity, self.head_dim, self.dtype, self.device)
+
+    def _cache_capacity(self, capacity: int) -> int:
         if capacity > self.info.max_position:
             raise ValueError(f"cache capacity {capacity} exceeds the model's {self.info.max_position} positions")
-        return KVPool(len(self.layers), num_slots, self.num_kv_heads, capacity, self.head_dim, self.dtype, self.device)
+        if self.batch_invariant:  # whole key blocks (see _INVARIANT_KEY_BLOCK)
+            capacity = min(_key_span(capacity), self.info.max_position)
+        return capacity
 
     @torch.inference_mode()
     def forward(
@@ -351,19 +359,29 @@ class FastLlama:
         # path), an explicit mask when a draft follows cached tokens, none for a single token
         if mask is None and n > 1 and start > 0:
             mask = torch.arange(end, device=self.device) <= torch.arange(start, end, device=self.device)[:, None]
+        keys, pad = end, 0
+        if self.batch_invariant:  # explicit mask, whole key blocks, >= 3 queries
+            keys = min(_key_span(end), cache.capacity)
+            visible = mask if mask is not None else (
+                torch.arange(end, device=self.device) <= torch.arange(start, end, device=self.device)[:, None])
+            mask = F.pad(visible, (0, keys - end))  # keys past `end` are zeros, masked
+            pad = max(0, _INVARIANT_MIN_QUERIES - n)
+            mask = torch.cat([mask, mask[-1:].expand(pad, -1)])
         causal = n > 1 and mask is None
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.k[i, :, start:end] = k.transpose(0, 1)
             cache.v[i, :, start:end] = v.transpose(0, 1)
+            q = q[None].transpose(1, 2)  # [1, nh, n, d]
+            if pad:  # repeat the last query; the extra rows are dropped below
+                q = torch.cat([q, q[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
             attn = F.scaled_dot_product_attention(
-                q[None].transpose(1, 2), cache.k[i, None, :, :end], cache.v[i, None, :, :end],
+                q, cache.k[i, None, :, :keys], cache.v[i, None, :, :keys],
                 attn_mask=mask, is_causal=causal, enable_gqa=nkv != nh,
-            )  # [1, nh, n, d]
-            return attn[0].transpose(0, 1).reshape(n, nh * d)
+            )  # [1, nh, n + pad, d]
+            return attn[0, :, :n].transpose(0, 1).reshape(n, nh * d)
 
-        # a prompt's prefill (last_only) fills the cache; every other row is scored
-        x = self._layers(self.embed[input_ids], cos, sin, attend, 0 if last_only else n)
+        x = self._layers(self.embed[input_ids], cos, sin, attend)
         cache.extend(n)
 
         if return_hidden:  # every position's hidden state; logits still only where asked
@@ -372,25 +390,21 @@ class FastLlama:
         h = F.rms_norm(x[-1:] if last_only else x, x.shape[-1:], self.final_norm, self.eps)
         return ForwardOutput(logits=self.lm_head(h).float())
 
-    def _layers(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: _Attend, num_scored: int,
-    ) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: _Attend) -> torch.Tensor:
         """The decoder layers over x [n, hidden]; `attend(layer, q, k, v)` stores the new keys and
-        values and returns the attention output [n, heads * head_dim]. The first `num_scored`
-        rows are ones whose logits are read, the rest only fill the cache (prompt prefill):
-        quantized products compute the two kinds differently (workers/models/quant.py)."""
-        n, a = x.shape[0], num_scored
+        values and returns the attention output [n, heads * head_dim]."""
+        n = x.shape[0]
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, x.shape[-1:], layer.input_norm, self.eps)
-            qkv = layer.qkv(h, a).view(n, nh + 2 * nkv, d)
+            qkv = layer.qkv(h).view(n, nh + 2 * nkv, d)
             # rotate q and k heads in one go: x * cos + rotate_half(x) * sin
             qk = qkv[:, : nh + nkv]
             qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
-            x = x + layer.o(attend(i, qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]), a)
+            x = x + layer.o(attend(i, qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]))
             h = F.rms_norm(x, x.shape[-1:], layer.post_norm, self.eps)
-            gate, up = layer.gate_up(h, a).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up, a)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         return x
 
     @torch.inference_mode()
@@ -401,14 +415,9 @@ class FastLlama:
         block for the products. Attention reads each sequence's keys in place: sequences of
         similar shape share one call over their slot range, queries padded to the group's
         longest and masked to their own keys (causal, or the draft tree's ancestry)
-        (`_attention_groups`). A batch of one runs `forward` (the same numerics as alone).
-        Sequences whose logits are all read (decode and verify steps) are packed first."""
+        (`_attention_groups`). A batch of one runs `forward` (the same numerics as alone)."""
         if len(batch) == 1:
             return forward_each(self, batch, return_hidden)
-        order = sorted(range(len(batch)), key=lambda b: batch[b].logits != "all")  # stable
-        if order != list(range(len(batch))):
-            outputs = self.forward_batch([batch[b] for b in order], return_hidden=return_hidden)
-            return [out for _, out in sorted(zip(order, outputs), key=lambda pair: pair[0])]
         pool = batch[0].cache.pool
         slots = [s.cache.slot for s in batch]
         if pool is None or any(s.cache.pool is not pool for s in batch) or len(set(slots)) != len(slots):
@@ -425,7 +434,9 @@ class FastLlama:
         rope = torch.cat([s.cache.length + (s.tree.input_offsets() if s.tree is not None else torch.arange(n))
                           for s, n in zip(batch, lens)]).to(dev)
         cos, sin = self.cos[rope, None], self.sin_signed[rope, None]  # [N, 1, d]
-        groups = [_AttnGroup.of([(batch[b], bounds[b]) for b in members], dev) for members in _attention_groups(batch)]
+        invariant = (_INVARIANT_MIN_QUERIES, pool.capacity) if self.batch_invariant else None
+        groups = [_AttnGroup.of([(batch[b], bounds[b]) for b in members], dev, invariant)
+                  for members in _attention_groups(batch)]
         for g in groups:
             for s in g.members:
                 pool.make_finite(s.cache, g.l_max)
@@ -446,8 +457,7 @@ class FastLlama:
             return out
 
         ids = torch.cat([s.input_ids for s in batch]).to(dev)
-        num_scored = sum(n for s, n in zip(batch, lens) if s.logits == "all")
-        x = self._layers(self.embed[ids], cos, sin, attend, num_scored)
+        x = self._layers(self.embed[ids], cos, sin, attend)
         for s, n in zip(batch, lens):
             s.cache.extend(n)
 
@@ -461,6 +471,20 @@ class FastLlama:
 
 
 _Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# CPU SDPA computes a query row bit for bit the same whatever the call's other rows, batch and
+# masked key padding, when the mask is explicit, the call has at least 3 query rows (1-2 rows take
+# another path) and the keys come in whole blocks of 512 (it sums a row's scores block by block,
+# a shorter call in one block of its own length): measured on torch 2.13, tests/test_quant.py.
+# The quantized path relies on it: rounding each product's input to bfloat16 would turn
+# attention's float32 rounding differences into ~0.5-logit ones.
+_INVARIANT_MIN_QUERIES = 3
+_INVARIANT_KEY_BLOCK = 512
+
+
+def _key_span(end: int) -> int:
+    """Keys read for `end` visible ones: whole blocks."""
+    return -(-end // _INVARIANT_KEY_BLOCK) * _INVARIANT_KEY_BLOCK
 
 # An attention call's fixed cost in key rows read (measured on the 2-core CPU: ~20 us a call
 # against ~0.13 us a key row of all heads): what grouping two sequences must save to pay.
@@ -511,12 +535,18 @@ class _AttnGroup:
         return self.hi - self.lo
 
     @classmethod
-    def of(cls, members: list[tuple[SeqInput, int]], device: torch.device) -> _AttnGroup:
-        """`members`: (sequence, its first row in the packed batch)."""
+    def of(
+        cls, members: list[tuple[SeqInput, int]], device: torch.device, invariant: tuple[int, int] | None = None,
+    ) -> _AttnGroup:
+        """`members`: (sequence, its first row in the packed batch). `invariant`: (query rows at
+        least, the pool's capacity): pad queries and keys so that every row is computed as it
+        would be alone (see _INVARIANT_KEY_BLOCK)."""
         lo = min(s.cache.slot for s, _ in members)
         hi = max(s.cache.slot for s, _ in members) + 1
         n_max = max(s.input_ids.shape[0] for s, _ in members)
         l_max = max(s.cache.length + s.input_ids.shape[0] for s, _ in members)
+        if invariant is not None:
+            n_max, l_max = max(n_max, invariant[0]), min(_key_span(l_max), invariant[1])
         # key p is visible to query j of a sequence starting at `start`: p < start, or within its
         # own inputs by the causal / tree rule; padding rows see key 0 only (no empty softmax)
         mask = torch.zeros(hi - lo, n_max, l_max, dtype=torch.bool)

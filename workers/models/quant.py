@@ -8,12 +8,13 @@ The kernel takes bfloat16 activations: the scales and zeros are rounded to bfloa
 product's input is rounded to bfloat16 (its output is returned as float32; norms, attention and
 the residual stream stay float32).
 
-Rows are computed two ways, each the same for a row whatever else is in the product (tested):
-rows whose logits are read (decode and verification) always go through the int4 kernel, rows
-that only fill the cache (prompt prefill) through a dense bfloat16 copy of the same weights,
-which runs a 256-row chunk ~3x faster than the int4 kernel. Which way a row goes therefore
-never depends on the batch it shares a forward with, and speculative output stays identical to
-plain output.
+The kernel computes a row bit for bit the same whatever other rows share the product (tested),
+which speculative decoding and batching need: a verify step or a batch must score a row exactly
+as plain decoding alone does. Rounding to bfloat16 would magnify any float32 difference from
+elsewhere into ~0.5-logit ones, so the model's attention is made row-invariant too
+(workers/models/llama.py, _INVARIANT_MIN_QUERIES). oneDNN's dense bfloat16 GEMM is not (a row
+differs with 64 or 120 rows in a [3072, 576] product), so prefill rows use the int4 kernel too:
+a 256-row chunk costs ~1.5x float32's, while a decode step costs ~0.6x.
 """
 
 from __future__ import annotations
@@ -119,8 +120,7 @@ def read_gguf_int4(path: Path, num_layers: int, num_heads: int, num_kv_heads: in
 
 
 class Int4Linear:
-    """y = x @ W.T for an Int4Weight: the first `num_scored` rows through the int4 kernel, the
-    rest through the dense bfloat16 copy (see the module docstring). x and y are float32."""
+    """y = x @ W.T for an Int4Weight through torch's int4 kernel; x and y are float32."""
 
     def __init__(self, weight: Int4Weight) -> None:
         if weight.q.device.type != "cpu":
@@ -132,21 +132,7 @@ class Int4Linear:
         scales, zeros = weight.scales.to(_COMPUTE_DTYPE), weight.zeros.to(_COMPUTE_DTYPE)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q, _INNER_K_TILES)
         self.scales_zeros = torch.stack([scales, zeros], dim=-1).contiguous()  # [in / 32, out, 2]
-        # the dense copy holds the same values the kernel computes with (bf16 scales and zeros)
-        dense = Int4Weight(weight.q, scales.float(), zeros.float()).dequantize()
-        self.w_t = dense.to(_COMPUTE_DTYPE).t().contiguous()  # [in, out]
 
-    def __call__(self, x: torch.Tensor, num_scored: int | None = None) -> torch.Tensor:
-        n = x.shape[0]
-        a = n if num_scored is None else num_scored
-        xb = x.to(_COMPUTE_DTYPE)
-        if a == n:
-            y = self._int4(xb)
-        elif a == 0:
-            y = xb @ self.w_t
-        else:
-            y = torch.cat([self._int4(xb[:a]), xb[a:] @ self.w_t])
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(_COMPUTE_DTYPE), self.packed, GROUP_SIZE, self.scales_zeros)
         return y.float()
-
-    def _int4(self, xb: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE, self.scales_zeros)
