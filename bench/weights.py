@@ -1,0 +1,66 @@
+"""The target's weight formats side by side: `python -m bench.weights`.
+
+One process holds the target once per format (`target.weights`); prompt by prompt, every format
+runs plain decoding and prompt lookup in turn, so drift on a shared machine hits them alike.
+Reported per format: the plain step (decode only), prefill per prompt token, end-to-end tokens/s
+(prefill included), prompt lookup's speedup, and whether prompt lookup's output equals the same
+format's plain output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+
+from bench.prompts import load_prompts
+from workers.config import EngineConfig, NgramDrafterConfig, TargetConfig
+from workers.engine import GenerationResult, SpecEngine
+from workers.sampling import SamplingParams
+
+
+def _decode_ms(r: GenerationResult) -> float:
+    return (r.wall_s - r.prefill_s) / r.num_steps * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=Path, default=Path("../shared/data/spec_bench/question.jsonl"))
+    ap.add_argument("--per-category", type=int, default=1)
+    ap.add_argument("--heldout-mod", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--formats", default="float32,int4")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    formats = args.formats.split(",")
+    engines = {f: SpecEngine.from_config(EngineConfig(target=TargetConfig(weights=f), drafters=[NgramDrafterConfig()]))
+               for f in formats}
+    prompts = load_prompts(args.prompts, args.per_category, None, args.heldout_mod)
+    params = SamplingParams(max_tokens=args.max_tokens)
+    runs: dict[tuple[str, str], list[GenerationResult]] = {(f, m): [] for f in formats for m in ("plain", "ngram")}
+    first = prompts[0].text
+    for f in formats:  # warm-up
+        engines[f].generate(engines[f].encode(first), SamplingParams(max_tokens=8))
+    for p in prompts:
+        for f in formats:
+            ids = engines[f].encode(p.text)
+            runs[f, "plain"].append(engines[f].generate(ids, params))
+            runs[f, "ngram"].append(engines[f].generate(ids, params, drafter="ngram"))
+    print(f"{len(prompts)} prompts, {args.max_tokens} tokens, greedy\n")
+    print("| weights | plain step ms (median) | prefill ms / prompt token | plain tokens/s | ngram speedup "
+          "| ngram = plain |")
+    print("|---|---:|---:|---:|---:|:---:|")
+    for f in formats:
+        plain, ngram = runs[f, "plain"], runs[f, "ngram"]
+        tokens = sum(len(r.token_ids) for r in plain)
+        wall = sum(r.wall_s for r in plain)
+        prefill = sum(r.prefill_s for r in plain) / sum(len(r.prompt_token_ids) for r in plain) * 1e3
+        same = all(a.token_ids == b.token_ids for a, b in zip(plain, ngram))
+        print(f"| {f} | {statistics.median(_decode_ms(r) for r in plain):.1f} | {prefill:.2f} | {tokens / wall:.1f} "
+              f"| {wall / sum(r.wall_s for r in ngram):.2f}x | {'yes' if same else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()
