@@ -1,7 +1,6 @@
 """`target.weights: int4`: the shipped GGUF file's 4-bit blocks read exactly; a row's logits the
-same alone, in a verify chain and in a batch (the int4 products and the attention are
-row-invariant); speculative and batched decoding on the int4 target identical to its own plain
-decoding."""
+same alone, in a verify chain and in a batch (the products and the attention are row-invariant);
+speculative and batched decoding on the int4 target identical to its own plain decoding."""
 
 from __future__ import annotations
 
@@ -42,18 +41,22 @@ def _random_weight(out: int, inp: int, seed: int = 0) -> Int4Weight:
 
 
 def test_an_int4_product_computes_a_row_the_same_whatever_the_rows_around_it() -> None:
-    """Bit for bit at every row count (a verify step, a batch, a prompt chunk), and the weights'
-    product up to bfloat16 rounding."""
+    """Scored rows (the int4 kernel) at every row count, prefill rows (dense bfloat16 in calls of
+    256) at every count and place: bit for bit; both the weights' product up to bfloat16
+    rounding."""
     w = _random_weight(96, 128)
     lin = Int4Linear(w)
-    x = torch.randn(300, 128, generator=torch.Generator().manual_seed(1))
-    first, last = lin(x[:1]), lin(x[299:])
-    for rows in (2, 3, 16, 64, 120, 300):
-        y = lin(x[:rows])
-        assert torch.equal(y[:1], first)
-    assert torch.equal(y[299:], last)
+    x = torch.randn(600, 128, generator=torch.Generator().manual_seed(1))
+    first, first_bulk, last_bulk = lin(x[:1]), lin(x[:1], num_scored=0), lin(x[599:], num_scored=0)
+    for rows in (2, 3, 16, 64, 120, 256, 300, 600):
+        assert torch.equal(lin(x[:rows])[:1], first)
+        assert torch.equal(lin(x[:rows], num_scored=0)[:1], first_bulk)
+    assert torch.equal(lin(x[500:], num_scored=0)[99:], last_bulk)  # another place in its call
+    mixed = lin(x[:10], num_scored=4)
+    assert torch.equal(mixed[:4], lin(x[:4])) and torch.equal(mixed[4:], lin(x[4:10], num_scored=0))
     exact = x[:16] @ w.dequantize().t()
-    assert (lin(x[:16]) - exact).abs().max() <= 2e-2 * exact.abs().max()
+    for y in (lin(x[:16]), lin(x[:16], num_scored=0)):
+        assert (y - exact).abs().max() <= 2e-2 * exact.abs().max()
 
 
 def test_int4_needs_a_gguf_file(tiny_llama_dir: Path) -> None:

@@ -243,7 +243,8 @@ class Linear:
             return torch.ops.mkl._mkl_linear(x, self.packed, self.w_t.t(), None, x.shape[0])
         return x @ self.w_t
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, in] -> [n, out]
+    def __call__(self, x: torch.Tensor, num_scored: int | None = None) -> torch.Tensor:  # x: [n, in] -> [n, out]
+        """`num_scored`: see Int4Linear (float32 computes every row the same way)."""
         return self.run(self.plan[_bucket(x.shape[0])], x)
 
 
@@ -381,7 +382,8 @@ class FastLlama:
             )  # [1, nh, n + pad, d]
             return attn[0, :, :n].transpose(0, 1).reshape(n, nh * d)
 
-        x = self._layers(self.embed[input_ids], cos, sin, attend)
+        # a prompt's prefill (last_only) only fills the cache; every other row is scored
+        x = self._layers(self.embed[input_ids], cos, sin, attend, 0 if last_only else n)
         cache.extend(n)
 
         if return_hidden:  # every position's hidden state; logits still only where asked
@@ -390,21 +392,25 @@ class FastLlama:
         h = F.rms_norm(x[-1:] if last_only else x, x.shape[-1:], self.final_norm, self.eps)
         return ForwardOutput(logits=self.lm_head(h).float())
 
-    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: _Attend) -> torch.Tensor:
+    def _layers(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: _Attend, num_scored: int,
+    ) -> torch.Tensor:
         """The decoder layers over x [n, hidden]; `attend(layer, q, k, v)` stores the new keys and
-        values and returns the attention output [n, heads * head_dim]."""
-        n = x.shape[0]
+        values and returns the attention output [n, heads * head_dim]. The first `num_scored`
+        rows are ones whose logits are read, the rest only fill the cache (prompt prefill):
+        quantized products compute the two kinds differently (workers/models/quant.py)."""
+        n, a = x.shape[0], num_scored
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, x.shape[-1:], layer.input_norm, self.eps)
-            qkv = layer.qkv(h).view(n, nh + 2 * nkv, d)
+            qkv = layer.qkv(h, a).view(n, nh + 2 * nkv, d)
             # rotate q and k heads in one go: x * cos + rotate_half(x) * sin
             qk = qkv[:, : nh + nkv]
             qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
-            x = x + layer.o(attend(i, qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]))
+            x = x + layer.o(attend(i, qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]), a)
             h = F.rms_norm(x, x.shape[-1:], layer.post_norm, self.eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            gate, up = layer.gate_up(h, a).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up, a)
         return x
 
     @torch.inference_mode()
@@ -415,9 +421,14 @@ class FastLlama:
         block for the products. Attention reads each sequence's keys in place: sequences of
         similar shape share one call over their slot range, queries padded to the group's
         longest and masked to their own keys (causal, or the draft tree's ancestry)
-        (`_attention_groups`). A batch of one runs `forward` (the same numerics as alone)."""
+        (`_attention_groups`). A batch of one runs `forward` (the same numerics as alone).
+        Sequences whose logits are all read (decode and verify steps) are packed first."""
         if len(batch) == 1:
             return forward_each(self, batch, return_hidden)
+        order = sorted(range(len(batch)), key=lambda b: batch[b].logits != "all")  # stable
+        if order != list(range(len(batch))):
+            outputs = self.forward_batch([batch[b] for b in order], return_hidden=return_hidden)
+            return [out for _, out in sorted(zip(order, outputs), key=lambda pair: pair[0])]
         pool = batch[0].cache.pool
         slots = [s.cache.slot for s in batch]
         if pool is None or any(s.cache.pool is not pool for s in batch) or len(set(slots)) != len(slots):
@@ -457,7 +468,8 @@ class FastLlama:
             return out
 
         ids = torch.cat([s.input_ids for s in batch]).to(dev)
-        x = self._layers(self.embed[ids], cos, sin, attend)
+        num_scored = sum(n for s, n in zip(batch, lens) if s.logits == "all")
+        x = self._layers(self.embed[ids], cos, sin, attend, num_scored)
         for s, n in zip(batch, lens):
             s.cache.extend(n)
 

@@ -8,13 +8,17 @@ The kernel takes bfloat16 activations: the scales and zeros are rounded to bfloa
 product's input is rounded to bfloat16 (its output is returned as float32; norms, attention and
 the residual stream stay float32).
 
-The kernel computes a row bit for bit the same whatever other rows share the product (tested),
-which speculative decoding and batching need: a verify step or a batch must score a row exactly
-as plain decoding alone does. Rounding to bfloat16 would magnify any float32 difference from
-elsewhere into ~0.5-logit ones, so the model's attention is made row-invariant too
-(workers/models/llama.py, _INVARIANT_MIN_QUERIES). oneDNN's dense bfloat16 GEMM is not (a row
-differs with 64 or 120 rows in a [3072, 576] product), so prefill rows use the int4 kernel too:
-a 256-row chunk costs ~1.5x float32's, while a decode step costs ~0.6x.
+Speculative decoding and batching need a row scored exactly as plain decoding alone scores it,
+whatever else shares its forward. Rounding to bfloat16 would magnify any float32 difference into
+~0.5-logit ones, so every step of the quantized model is row-invariant (tested):
+  * rows whose logits are read (decode, verification) go through the int4 kernel, which computes
+    a row bit for bit the same at every row count;
+  * rows that only fill the cache (prompt prefill) go through a dense bfloat16 copy of the same
+    weights in calls of exactly 256 rows (the last one padded): oneDNN's bfloat16 GEMM is ~3.5x
+    faster there than the int4 kernel, which grows with the rows, but it changes a row's result
+    with the call's row count (a [576, 1536] product at 256 against 512 rows), never with the
+    row's place or neighbours in a call of fixed size;
+  * attention: see workers/models/llama.py, _INVARIANT_MIN_QUERIES.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 GROUP_SIZE = 32  # weights per Q4_0 / Q4_1 block
 _INNER_K_TILES = 2  # the int4 packing's tile factor (the kernel's default for CPU)
 _COMPUTE_DTYPE = torch.bfloat16  # what the int4 kernel multiplies in
+_DENSE_ROWS = 256  # rows per dense call: a fixed size keeps each row's result the same
 
 # GGUF tensor name -> Hugging Face name of a Llama layer's products; "{i}" is the layer
 _LAYER_TENSORS = {
@@ -120,7 +125,9 @@ def read_gguf_int4(path: Path, num_layers: int, num_heads: int, num_kv_heads: in
 
 
 class Int4Linear:
-    """y = x @ W.T for an Int4Weight through torch's int4 kernel; x and y are float32."""
+    """y = x @ W.T for an Int4Weight: the first `num_scored` rows through the int4 kernel, the
+    rest (prefill rows) through the dense bfloat16 copy (see the module docstring). x and y are
+    float32."""
 
     def __init__(self, weight: Int4Weight) -> None:
         if weight.q.device.type != "cpu":
@@ -132,7 +139,23 @@ class Int4Linear:
         scales, zeros = weight.scales.to(_COMPUTE_DTYPE), weight.zeros.to(_COMPUTE_DTYPE)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q, _INNER_K_TILES)
         self.scales_zeros = torch.stack([scales, zeros], dim=-1).contiguous()  # [in / 32, out, 2]
+        # the same values the kernel computes with (bfloat16 scales and zeros), rounded to bfloat16
+        self.w_t = Int4Weight(weight.q, scales.float(), zeros.float()).dequantize().to(_COMPUTE_DTYPE).t().contiguous()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(_COMPUTE_DTYPE), self.packed, GROUP_SIZE, self.scales_zeros)
-        return y.float()
+    def __call__(self, x: torch.Tensor, num_scored: int | None = None) -> torch.Tensor:
+        n = x.shape[0]
+        a = n if num_scored is None else num_scored
+        xb = x.to(_COMPUTE_DTYPE)
+        if a == n:
+            return self._int4(xb).float()
+        if a == 0:
+            return self._dense(xb).float()
+        return torch.cat([self._int4(xb[:a]), self._dense(xb[a:])]).float()
+
+    def _int4(self, xb: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE, self.scales_zeros)
+
+    def _dense(self, xb: torch.Tensor) -> torch.Tensor:
+        n = xb.shape[0]
+        blocks = torch.nn.functional.pad(xb, (0, 0, 0, -n % _DENSE_ROWS)).split(_DENSE_ROWS)
+        return torch.cat([block @ self.w_t for block in blocks])[:n]
