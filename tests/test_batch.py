@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import TWO_TOKEN_PARAMS, TwoTokenCase, assert_follows_joint
+from helpers import TWO_TOKEN_PARAMS, TwoTokenCase, assert_follows_joint, assert_same_or_tie
 
 from workers.batch import BatchEngine
 from workers.config import PLAIN, EngineConfig, NgramDrafterConfig
@@ -64,19 +64,6 @@ def run_batch(batch: BatchEngine, gens: list[Generation], orders: dict[Generatio
     for g in gens:
         g.close()
     return sizes
-
-
-def assert_same_or_tie(engine: SpecEngine, prompt: list[int], got: list[int], expected: list[int]) -> None:
-    """Batched rows may round differently from one row alone: a difference must be a tie of the
-    target's top two logits at the first differing position, never a real disagreement."""
-    if got == expected:
-        return
-    i = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-    model = engine.target.model
-    logits = model.forward(torch.tensor(prompt + expected[:i]), model.new_cache(len(prompt) + i + 1),
-                           last_only=True).logits[0]
-    top2 = logits.topk(2).values
-    assert (top2[0] - top2[1]).item() < 1e-4, f"position {i}: {got[i:i + 3]} vs {expected[i:i + 3]}, top-2 {top2}"
 
 
 # -- the model: pooled slots and the batched forward ---------------------------------------------

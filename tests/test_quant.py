@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_same_or_tie
 from safetensors.torch import load_file
 
 from workers.batch import BatchEngine
@@ -98,17 +99,6 @@ def test_an_int4_rows_logits_are_the_same_alone_in_a_verify_chain_and_in_a_batch
         steps = torch.cat([model.forward(tail[i : i + 1], alone).logits for i in range(6)])
         torch.testing.assert_close(chain, steps, atol=2e-4, rtol=0)
         torch.testing.assert_close(out.logits, steps, atol=2e-4, rtol=0)
-
-
-def assert_same_or_tie(engine: SpecEngine, prompt: list[int], got: list[int], expected: list[int]) -> None:
-    if got == expected:
-        return
-    i = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-    model = engine.target.model
-    logits = model.forward(torch.tensor(prompt + expected[:i]), model.new_cache(len(prompt) + i + 1),
-                           last_only=True).logits[0]
-    top2 = logits.topk(2).values
-    assert (top2[0] - top2[1]).item() < 2e-4, f"position {i}: {got[i:i + 3]} vs {expected[i:i + 3]}, top-2 {top2}"
 
 
 def test_int4_target_speculative_and_batched_output_equals_its_plain_output(
