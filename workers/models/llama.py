@@ -357,16 +357,14 @@ class FastLlama:
         else:
             cos, sin = self.cos[start:end, None], self.sin_signed[start:end, None]  # [n, 1, d]
         # new token i may see keys 0 .. start + i: plain causal on an empty cache (SDPA's fast
-        # path), an explicit mask when a draft follows cached tokens, none for a single token
-        if mask is None and n > 1 and start > 0:
+        # path), an explicit mask when a draft follows cached tokens, none for a single token;
+        # a row-invariant model always masks explicitly (see _INVARIANT_MIN_QUERIES)
+        if mask is None and (self.batch_invariant or (n > 1 and start > 0)):
             mask = torch.arange(end, device=self.device) <= torch.arange(start, end, device=self.device)[:, None]
         keys, pad = end, 0
-        if self.batch_invariant:  # explicit mask, whole key blocks, >= 3 queries
-            keys = min(_key_span(end), cache.capacity)
-            visible = mask if mask is not None else (
-                torch.arange(end, device=self.device) <= torch.arange(start, end, device=self.device)[:, None])
-            mask = F.pad(visible, (0, keys - end))  # keys past `end` are zeros, masked
-            pad = max(0, _INVARIANT_MIN_QUERIES - n)
+        if self.batch_invariant:  # whole key blocks (zeros past `end`, masked), >= 3 queries
+            keys, pad = min(_key_span(end), cache.capacity), max(0, _INVARIANT_MIN_QUERIES - n)
+            mask = F.pad(mask, (0, keys - end))
             mask = torch.cat([mask, mask[-1:].expand(pad, -1)])
         causal = n > 1 and mask is None
 

@@ -126,8 +126,8 @@ def read_gguf_int4(path: Path, num_layers: int, num_heads: int, num_kv_heads: in
 
 class Int4Linear:
     """y = x @ W.T for an Int4Weight: the first `num_scored` rows through the int4 kernel, the
-    rest (prefill rows) through the dense bfloat16 copy (see the module docstring). x and y are
-    float32."""
+    rest (prefill rows) through the dense bfloat16 copy (see the module docstring). y has x's
+    dtype."""
 
     def __init__(self, weight: Int4Weight) -> None:
         if weight.q.device.type != "cpu":
@@ -147,10 +147,12 @@ class Int4Linear:
         a = n if num_scored is None else num_scored
         xb = x.to(_COMPUTE_DTYPE)
         if a == n:
-            return self._int4(xb).float()
-        if a == 0:
-            return self._dense(xb).float()
-        return torch.cat([self._int4(xb[:a]), self._dense(xb[a:])]).float()
+            y = self._int4(xb)
+        elif a == 0:
+            y = self._dense(xb)
+        else:
+            y = torch.cat([self._int4(xb[:a]), self._dense(xb[a:])])
+        return y.to(x.dtype)
 
     def _int4(self, xb: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE, self.scales_zeros)
