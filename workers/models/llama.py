@@ -244,7 +244,7 @@ class Linear:
         return x @ self.w_t
 
     def __call__(self, x: torch.Tensor, num_scored: int | None = None) -> torch.Tensor:  # x: [n, in] -> [n, out]
-        """`num_scored`: see Int4Linear (float32 computes every row the same way)."""
+        """`num_scored` matters to Int4Linear only: here every row takes the row count's kernel."""
         return self.run(self.plan[_bucket(x.shape[0])], x)
 
 
