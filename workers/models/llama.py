@@ -443,8 +443,8 @@ class FastLlama:
         rope = torch.cat([s.cache.length + (s.tree.input_offsets() if s.tree is not None else torch.arange(n))
                           for s, n in zip(batch, lens)]).to(dev)
         cos, sin = self.cos[rope, None], self.sin_signed[rope, None]  # [N, 1, d]
-        invariant = (_INVARIANT_MIN_QUERIES, pool.capacity) if self.batch_invariant else None
-        groups = [_AttnGroup.of([(batch[b], bounds[b]) for b in members], dev, invariant)
+        pad = {"min_queries": _INVARIANT_MIN_QUERIES, "max_keys": pool.capacity} if self.batch_invariant else {}
+        groups = [_AttnGroup.of([(batch[b], bounds[b]) for b in members], dev, **pad)
                   for members in _attention_groups(batch)]
         for g in groups:
             for s in g.members:
@@ -546,17 +546,19 @@ class _AttnGroup:
 
     @classmethod
     def of(
-        cls, members: list[tuple[SeqInput, int]], device: torch.device, invariant: tuple[int, int] | None = None,
+        cls, members: list[tuple[SeqInput, int]], device: torch.device, min_queries: int = 1,
+        max_keys: int | None = None,
     ) -> _AttnGroup:
-        """`members`: (sequence, its first row in the packed batch). `invariant`: (query rows at
-        least, the pool's capacity): pad queries and keys so that every row is computed as it
-        would be alone (see _INVARIANT_KEY_BLOCK)."""
+        """`members`: (sequence, its first row in the packed batch). `min_queries`: query rows per
+        slot at least; `max_keys` (the pool's capacity) given: keys padded to whole blocks, so that
+        every row is computed as it would be alone (see _INVARIANT_KEY_BLOCK)."""
         lo = min(s.cache.slot for s, _ in members)
         hi = max(s.cache.slot for s, _ in members) + 1
         n_max = max(s.input_ids.shape[0] for s, _ in members)
         l_max = max(s.cache.length + s.input_ids.shape[0] for s, _ in members)
-        if invariant is not None:
-            n_max, l_max = max(n_max, invariant[0]), min(_key_span(l_max), invariant[1])
+        n_max = max(n_max, min_queries)
+        if max_keys is not None:
+            l_max = min(_key_span(l_max), max_keys)
         # key p is visible to query j of a sequence starting at `start`: p < start, or within its
         # own inputs by the causal / tree rule; padding rows see key 0 only (no empty softmax)
         mask = torch.zeros(hi - lo, n_max, l_max, dtype=torch.bool)

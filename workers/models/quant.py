@@ -116,6 +116,8 @@ def read_gguf_int4(path: Path, num_layers: int, num_heads: int, num_kv_heads: in
             if t.tensor_type.name not in ("Q4_0", "Q4_1"):
                 raise QuantError(f"{path}: {name} is {t.tensor_type.name}; weights 'int4' needs Q4_0 or Q4_1 layers")
             w = _blocks(t.data, t.tensor_type.name)
+            if w.q.shape[0] % 8:  # the kernel packs output rows in eights (blocks make `in` a multiple of 32)
+                raise QuantError(f"{path}: {name} has {w.q.shape[0]} rows; the int4 kernel needs a multiple of 8")
             if name.endswith("attn_q.weight"):
                 w = _unpermute_rope_rows(w, num_heads)
             elif name.endswith("attn_k.weight"):
@@ -130,12 +132,6 @@ class Int4Linear:
     dtype."""
 
     def __init__(self, weight: Int4Weight) -> None:
-        if weight.q.device.type != "cpu":
-            raise QuantError("weights 'int4' run on CPU (torch's int4 kernel for CPU)")
-        out_features, in_features = weight.q.shape
-        if in_features % GROUP_SIZE or out_features % 8:
-            raise QuantError(f"an int4 product needs in % {GROUP_SIZE} == 0 and out % 8 == 0, got [{out_features}, "
-                             f"{in_features}]")
         scales, zeros = weight.scales.to(_COMPUTE_DTYPE), weight.zeros.to(_COMPUTE_DTYPE)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q, _INNER_K_TILES)
         self.scales_zeros = torch.stack([scales, zeros], dim=-1).contiguous()  # [in / 32, out, 2]
