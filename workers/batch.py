@@ -66,10 +66,11 @@ class BatchEngine:
         return len(self.waiting) + len(self.running)
 
     def add(self, prompt_ids: list[int], params: SamplingParams,
-            on_step: Callable[[StepStats], None] | None = None) -> Generation:
-        """Queue a request (checked now: a bad one raises RequestError); it starts when admitted."""
+            on_step: Callable[[StepStats], None] | None = None, domain: str | None = None) -> Generation:
+        """Queue a request (checked now: a bad one raises RequestError); it starts when admitted.
+        `domain`: its routing domain (see DraftContext.domain)."""
         self.engine.check_request(prompt_ids, params)
-        gen = Generation(self.engine, prompt_ids, params, on_step, prefill=False)
+        gen = Generation(self.engine, prompt_ids, params, on_step, prefill=False, domain=domain)
         self.waiting.append(gen)
         return gen
 

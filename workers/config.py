@@ -116,6 +116,35 @@ class TreeConfig(_Strict):
         return min(self.nodes, self.topk + (depth - 1) * self.topk**2) if depth > 0 else 0
 
 
+class SuffixDrafterConfig(_Strict):
+    """Suffix decoding (workers/drafters/suffix.py): prompt lookup that also reads the outputs of
+    the requests each domain served before."""
+
+    kind: Literal["suffix"] = "suffix"
+    name: str = "suffix"
+    min_n: int = Field(1, ge=1, description="shortest match to draft from")
+    max_n: int = Field(4, ge=1, description="longest n-gram indexed (matches are then extended, to max_depth)")
+    max_depth: int = Field(32, ge=1, description="the longest match measured, in tokens")
+    max_spec_factor: float = Field(2.0, gt=0, description="draft at most this many tokens per matched token ...")
+    max_spec_offset: float = Field(0.0, description="... plus this many")
+    min_token_prob: float = Field(
+        0.1, ge=0, le=1, description="stop drafting where a token's estimated acceptance (the share of past "
+                                     "occurrences that continue this way) falls below this")
+    max_occurrences: int = Field(32, ge=1, description="latest occurrences of a match a proposal reads")
+    cache_tokens: int = Field(
+        65536, ge=0, description="past output tokens kept for all domains together; the oldest requests are "
+                                 "evicted first (0: the request's own context only)")
+    draft_len: int = Field(6, ge=1, description="static k when the policy does not choose one")
+    tree: TreeConfig | None = Field(
+        None, description="draft a tree of the likeliest continuations (topk per node, nodes in all; null: a chain)")
+
+    @model_validator(mode="after")
+    def _check_range(self) -> SuffixDrafterConfig:
+        if self.min_n > self.max_n:
+            raise ValueError(f"min_n ({self.min_n}) must not exceed max_n ({self.max_n})")
+        return self
+
+
 class ModelDrafterConfig(_Strict):
     kind: Literal["model"] = "model"
     name: str = "model"
@@ -155,7 +184,8 @@ class MedusaDrafterConfig(_CheckpointDrafterConfig):
 
 
 DrafterConfig = Annotated[
-    NgramDrafterConfig | ModelDrafterConfig | EagleDrafterConfig | MedusaDrafterConfig, Field(discriminator="kind"),
+    NgramDrafterConfig | SuffixDrafterConfig | ModelDrafterConfig | EagleDrafterConfig | MedusaDrafterConfig,
+    Field(discriminator="kind"),
 ]
 
 

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from workers.config import PLAIN, EngineConfig
-from workers.drafters.base import Draft, DraftContext, Drafter
+from workers.drafters.base import Draft, DraftContext, Drafter, TrafficLearner
 from workers.drafters.registry import build_drafters
 from workers.drafters.remote import DraftService
 from workers.models.base import ForwardOutput, KVCache
@@ -154,10 +154,12 @@ class Generation:
         on_step: Callable[[StepStats], None] | None,
         *,
         prefill: bool = True,
+        domain: str | None = None,
     ) -> None:
         """`prefill`: give the request a cache of its own and prefill the prompt now; else the
         scheduler (workers/batch.py) attaches a cache from its pool when it admits the request
-        (`attach`) and prefills it in chunks (`prefill_input`, `complete_prefill`)."""
+        (`attach`) and prefills it in chunks (`prefill_input`, `complete_prefill`). `domain`: the
+        request's routing domain, for drafters that learn from traffic (DraftContext.domain)."""
         self.engine = engine
         self.params = params
         self.on_step = on_step
@@ -165,7 +167,8 @@ class Generation:
         self.device = self.model.device
         self.num_prompt = len(prompt_ids)
         max_len = len(prompt_ids) + params.max_tokens
-        self.ctx = DraftContext(list(prompt_ids), params, make_generator(params.seed, self.device), max_len)
+        self.ctx = DraftContext(list(prompt_ids), params, make_generator(params.seed, self.device), max_len,
+                                num_prompt=len(prompt_ids), domain=domain)
         self.with_hidden = engine.needs_hidden_states
         if self.with_hidden:
             dtype = getattr(self.model, "dtype", torch.float32)
@@ -326,7 +329,15 @@ class Generation:
         self.prefill_s += forward_s
 
     def close(self) -> None:
-        """Release drafter state (also called when a generation is abandoned)."""
+        """Release drafter state (also called when a generation is abandoned); drafters that
+        learn from traffic see what the request produced."""
+        if self._closed:
+            return
+        for learner in self.engine.learners:
+            try:
+                learner.learn(self.ctx)
+            except Exception:
+                log.exception("drafter %r failed to learn from a request", learner.name)
         for name, state in self._drafter_states.items():
             self.engine.drafters[name].end(state)
         self._drafter_states.clear()
@@ -481,6 +492,7 @@ class SpecEngine:
         self.max_model_len = min(config.target.max_model_len, target.model.info.max_position)
         # the target's hidden states are kept per request only when some drafter reads them
         self.needs_hidden_states = any(d.needs_hidden_states for d in drafters.values())
+        self.learners = [d for d in drafters.values() if isinstance(d, TrafficLearner)]
 
     @classmethod
     def from_config(cls, config: EngineConfig, services: Mapping[str, DraftService] | None = None) -> SpecEngine:
@@ -520,19 +532,20 @@ class SpecEngine:
 
     def start(
         self, prompt_ids: list[int], params: SamplingParams,
-        on_step: Callable[[StepStats], None] | None = None,
+        on_step: Callable[[StepStats], None] | None = None, domain: str | None = None,
     ) -> Generation:
+        """`domain`: the request's routing domain (DraftContext.domain)."""
         self.check_request(prompt_ids, params)
-        return Generation(self, prompt_ids, params, on_step)
+        return Generation(self, prompt_ids, params, on_step, domain=domain)
 
     def stream(
         self, prompt_ids: list[int], params: SamplingParams, drafter: str = PLAIN,
-        draft_len: int | None = None, on_step: Callable[[StepStats], None] | None = None,
+        draft_len: int | None = None, on_step: Callable[[StepStats], None] | None = None, domain: str | None = None,
     ) -> Iterator[tuple[Generation, StepStats]]:
         """Run a request with a fixed drafter and k, yielding after every step."""
         self.check_request(prompt_ids, params, drafter)
         k = self.default_draft_len(drafter) if draft_len is None else draft_len
-        gen = Generation(self, prompt_ids, params, on_step)
+        gen = Generation(self, prompt_ids, params, on_step, domain=domain)
         try:
             while not gen.finished:
                 yield gen, gen.step(drafter, k)
@@ -541,8 +554,8 @@ class SpecEngine:
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, drafter: str = PLAIN,
-        draft_len: int | None = None, on_step: Callable[[StepStats], None] | None = None,
+        draft_len: int | None = None, on_step: Callable[[StepStats], None] | None = None, domain: str | None = None,
     ) -> GenerationResult:
         # run to the end, keeping only the last (generation, step): max_tokens >= 1, so one exists
-        (gen, _), = deque(self.stream(prompt_ids, params, drafter, draft_len, on_step), maxlen=1)
+        (gen, _), = deque(self.stream(prompt_ids, params, drafter, draft_len, on_step, domain), maxlen=1)
         return gen.result()

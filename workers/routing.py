@@ -302,7 +302,8 @@ class Router:
         )
         # cheap drafters the domain allows are scored on every step, whichever one runs
         shadow = [d for d in dp.drafters if d in self.engine.drafters and self.engine.drafters[d].cheap]
-        gen = self.engine.start(prompt_ids, params) if batch is None else batch.add(prompt_ids, params)
+        gen = (self.engine.start(prompt_ids, params, domain=domain) if batch is None
+               else batch.add(prompt_ids, params, domain=domain))
         return RoutedGeneration(self, gen, policy, classification, plan, controller, shadow)
 
 

@@ -8,7 +8,7 @@ engine (and, above it, the policy) does. Capabilities are declared as class attr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -36,6 +36,10 @@ class DraftContext:
     # [max_len, hidden] the target's final hidden state at each position, filled for every token
     # but the newest (its forward has not run yet); None unless a drafter needs_hidden_states
     features: torch.Tensor | None = None
+    num_prompt: int = 0  # token_ids[:num_prompt] is the prompt
+    # the routing domain of a request served as traffic; None (calibration, a bare engine call):
+    # drafters that learn from traffic neither read nor feed a domain's memory for it
+    domain: str | None = None
 
 
 def token_ids_of(rows: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
@@ -76,3 +80,24 @@ class Drafter(Protocol):
     def end(self, state: Any) -> None:
         """Release per-request resources."""
         ...
+
+
+@runtime_checkable
+class TrafficLearner(Protocol):
+    """A drafter that also learns from the requests a replica serves (suffix decoding)."""
+
+    name: str
+
+    def learn(self, ctx: DraftContext) -> None:
+        """A request stopped (finished, cancelled or failed): `ctx` holds its prompt and output."""
+        ...
+
+    def memory(self) -> TrafficMemory:
+        """What the drafter holds now: the replica reports it."""
+        ...
+
+
+@dataclass(frozen=True)
+class TrafficMemory:
+    tokens: dict[str, int]  # per domain
+    max_tokens: int  # the budget over all domains

@@ -12,6 +12,7 @@ from workers.config import (
     MedusaDrafterConfig,
     ModelDrafterConfig,
     NgramDrafterConfig,
+    SuffixDrafterConfig,
 )
 from workers.drafters.base import Drafter
 from workers.drafters.eagle import CheckpointError, EagleDrafter, EagleNet
@@ -19,12 +20,11 @@ from workers.drafters.medusa import MedusaDrafter, MedusaHeads
 from workers.drafters.model import ModelDrafter
 from workers.drafters.ngram import NgramDrafter
 from workers.drafters.remote import DraftService, RemoteDrafter
+from workers.drafters.suffix import SuffixDrafter
 from workers.models.base import CausalLM
 from workers.models.hf import HFCausalLM
 from workers.models.llama import FastLlama
 from workers.target import LoadedModel, ModelLoadError, load_model
-
-DRAFTER_KINDS = ("ngram", "model", "eagle", "medusa")
 
 
 def input_embeddings(model: CausalLM) -> torch.Tensor:
@@ -86,6 +86,8 @@ def build_drafter(config: DrafterConfig, target: LoadedModel, service: DraftServ
                              "(target backend: fast or auto)")
     if isinstance(config, NgramDrafterConfig):
         return NgramDrafter(config)
+    if isinstance(config, SuffixDrafterConfig):
+        return SuffixDrafter(config)
     if isinstance(config, ModelDrafterConfig):
         if service is not None:
             return RemoteDrafter(config, service, target.model.info.vocab_size)

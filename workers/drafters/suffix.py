@@ -1,0 +1,252 @@
+"""Suffix decoding: draft what most often followed the current suffix, in this request and in the
+past outputs of its domain (SuffixDecoding, Oliaro et al., NeurIPS'25; vLLM's `suffix` method).
+
+Prompt lookup (`ngram`) reads only the request's own context. Served traffic also repeats across
+requests: agents call the same tools, extraction jobs emit the same keys, templated requests get
+templated answers. This drafter keeps one index per domain over the outputs that domain served
+(`SuffixCaches`, bounded by a token budget: the oldest requests go first) and one per request over
+its prompt and output. A proposal reads the continuations of the longest match, in both at once,
+and follows the most frequent one while its estimated acceptance (the share of occurrences that
+continue that way, times the path so far) stays >= `min_token_prob` (with `tree`: the likeliest
+few branches); it drafts at most `max_spec_factor * match length` tokens, since a long match
+predicts a long copy. Training-free and cheap, so the router scores it every step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from workers.config import SuffixDrafterConfig
+from workers.drafters.base import Draft, DraftContext, TrafficMemory
+from workers.tree import DraftTree
+
+SEPARATOR = -1  # ends each request in a domain's index, so no match or continuation spans two
+MAX_MATCH_LENGTHS = 3  # distinct match lengths a proposal weighs (the longest ones)
+
+
+class TokenIndex:
+    """A growing token sequence and, for each n-gram of min_n..max_n tokens in it, the positions
+    right after its occurrences (where a continuation starts), oldest first. Positions are absolute:
+    `evict` drops a prefix without renumbering the rest."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self.start = 0  # absolute position of tokens[0]
+        self.after: dict[tuple[int, ...], list[int]] = {}
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def at(self, pos: int) -> int:
+        """The token at absolute `pos`; SEPARATOR past the end."""
+        i = pos - self.start
+        return self.tokens[i] if i < len(self.tokens) else SEPARATOR
+
+    def extend(self, ids: Sequence[int]) -> None:
+        first = self.end
+        self.tokens.extend(ids)
+        for j in range(max(first, self.start + 1), self.end):
+            if self.at(j) == SEPARATOR:
+                continue
+            for n in range(self.min_n, self.max_n + 1):
+                if (i := j - n - self.start) < 0:
+                    break
+                key = tuple(self.tokens[i : i + n])
+                if SEPARATOR in key:
+                    break  # longer n-grams reach further back across it too
+                self.after.setdefault(key, []).append(j)
+
+    def evict(self, before: int) -> None:
+        """Forget every token before absolute position `before` and the positions that read them."""
+        gone = self.tokens[: before - self.start]
+        for i in range(len(gone)):
+            for n in range(self.min_n, self.max_n + 1):
+                key = tuple(gone[i : i + n])
+                if len(key) < n:
+                    break
+                if (positions := self.after.get(key)) is not None:
+                    del positions[: bisect.bisect_left(positions, before + 1)]
+                    if not positions:
+                        del self.after[key]
+        del self.tokens[: before - self.start]
+        self.start = before
+
+    def matches(self, context: Sequence[int], max_depth: int, max_occurrences: int) -> list[Match]:
+        """The latest `max_occurrences` places where the longest indexed n-gram ending `context` occurs,
+        each with how far back the match goes (at most max_depth tokens), most recent first."""
+        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+            positions = self.after.get(tuple(context[-n:]))
+            if positions:
+                break
+        else:
+            return []
+        out = []
+        for pos in reversed(positions[-max_occurrences:]):
+            length = n
+            while (length < max_depth and length < len(context) and pos - length - 1 >= self.start
+                   and self.at(pos - length - 1) == context[-length - 1]):
+                length += 1
+            out.append(Match(self, pos, length))
+        return out
+
+
+@dataclass(frozen=True)
+class Match:
+    index: TokenIndex
+    pos: int  # where the continuation starts
+    length: int  # tokens matched before it
+
+    def at(self, offset: int) -> int:
+        return self.index.at(self.pos + offset)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    token_ids: list[int]
+    parents: tuple[int, ...]  # per token, its parent token (-1: the root): a chain or a tree
+
+
+def grow(
+    matches: Sequence[Match], depth: int, min_prob: float, topk: int = 1, num_nodes: int | None = None,
+) -> Proposal:
+    """The likeliest continuations of `matches`, best first: a node's estimated acceptance is its
+    parent's times the share of the parent's occurrences that continue with its token. Each added
+    node offers its `topk` most frequent next tokens (ties: the earlier match's), down to
+    `min_prob`, `depth` tokens deep, `num_nodes` in all (default: depth). topk = 1: a chain."""
+    num_nodes = depth if num_nodes is None else num_nodes
+    tokens: list[int] = []
+    parents: list[int] = []
+    heap: list[tuple[float, int, int, int, int, list[Match]]] = []  # (-prob, order, parent, depth, token, live)
+    order = itertools.count()  # equal estimates: the earlier offered first
+
+    def offer(parent: int, prob: float, at: int, live: list[Match]) -> None:
+        groups: dict[int, list[Match]] = {}
+        for m in live:
+            if (token := m.at(at)) != SEPARATOR:
+                groups.setdefault(token, []).append(m)
+        for token, group in sorted(groups.items(), key=lambda g: -len(g[1]))[:topk]:
+            if (p := prob * len(group) / len(live)) >= min_prob:
+                heapq.heappush(heap, (-p, next(order), parent, at + 1, token, group))
+
+    if depth > 0:
+        offer(-1, 1.0, 0, list(matches))
+    while heap and len(tokens) < num_nodes:
+        neg_prob, _, parent, at, token, live = heapq.heappop(heap)
+        tokens.append(token)
+        parents.append(parent)
+        if at < depth:
+            offer(len(tokens) - 1, -neg_prob, at, live)
+    return Proposal(tokens, tuple(parents))
+
+
+class SuffixCaches:
+    """Past outputs per domain, in one token budget over all domains: past it, the oldest request
+    is evicted first. Thread-safe: requests on other threads may read while one adds."""
+
+    def __init__(self, min_n: int, max_n: int, max_tokens: int) -> None:
+        self.min_n, self.max_n, self.max_tokens = min_n, max_n, max_tokens
+        self.domains: dict[str, TokenIndex] = {}
+        self._order: deque[tuple[str, int]] = deque()  # per request kept: (domain, absolute end)
+        self.num_tokens = 0
+        self.lock = threading.Lock()
+
+    def add(self, domain: str, output_ids: Sequence[int]) -> None:
+        if not output_ids:
+            return
+        kept = list(output_ids[-(self.max_tokens - 1) :]) if self.max_tokens > 1 else []
+        if not kept:
+            return
+        with self.lock:
+            index = self.domains.get(domain)
+            if index is None:
+                index = self.domains[domain] = TokenIndex(self.min_n, self.max_n)
+            index.extend([*kept, SEPARATOR])
+            self._order.append((domain, index.end))
+            self.num_tokens += len(kept) + 1
+            while self.num_tokens > self.max_tokens:
+                oldest, end = self._order.popleft()
+                evicted = self.domains[oldest]
+                self.num_tokens -= end - evicted.start
+                evicted.evict(end)
+                if not len(evicted):
+                    del self.domains[oldest]
+
+    def sizes(self) -> dict[str, int]:
+        """Tokens kept per domain (separators included: they are the budget's units too)."""
+        with self.lock:
+            return {domain: len(index) for domain, index in self.domains.items()}
+
+
+@dataclass
+class SuffixState:
+    own: TokenIndex  # this request's prompt and output
+    empty: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+
+
+class SuffixDrafter:
+    needs_hidden_states: ClassVar[bool] = False
+    cheap: ClassVar[bool] = True
+
+    def __init__(self, config: SuffixDrafterConfig) -> None:
+        self.config = config
+        self.name = config.name
+        self.caches = self.new_caches()
+
+    def new_caches(self) -> SuffixCaches:
+        return SuffixCaches(self.config.min_n, self.config.max_n, self.config.cache_tokens)
+
+    def begin(self, ctx: DraftContext) -> SuffixState:
+        return SuffixState(TokenIndex(self.config.min_n, self.config.max_n))
+
+    def propose(self, state: SuffixState, ctx: DraftContext, k: int) -> Draft:
+        cfg, ids = self.config, ctx.token_ids
+        state.own.extend(ids[state.own.end :])
+        matches = state.own.matches(ids, cfg.max_depth, cfg.max_occurrences)
+        with self.caches.lock:
+            if ctx.domain is not None and (past := self.caches.domains.get(ctx.domain)) is not None:
+                matches += past.matches(ids, cfg.max_depth, cfg.max_occurrences)
+            best = self._best(matches, k)
+        if not best.token_ids:
+            return Draft(state.empty)
+        ids = torch.tensor(best.token_ids, dtype=torch.long)
+        return Draft(ids) if cfg.tree is None else Draft(ids, tree=DraftTree(best.parents))
+
+    def _best(self, matches: list[Match], k: int) -> Proposal:
+        """The continuation of the longest match, read from every occurrence at least that long
+        (the request's own first); when it proposes nothing, of the next longest."""
+        cfg = self.config
+        topk, num_nodes = (1, None) if cfg.tree is None else (cfg.tree.topk, cfg.tree.nodes)
+        for length in sorted({m.length for m in matches}, reverse=True)[:MAX_MATCH_LENGTHS]:
+            depth = min(k, int(cfg.max_spec_factor * length + cfg.max_spec_offset))
+            proposal = grow([m for m in matches if m.length >= length], depth, cfg.min_token_prob, topk, num_nodes)
+            if proposal.token_ids:
+                return proposal
+        return Proposal([], ())
+
+    def commit(self, state: SuffixState, ctx: DraftContext, num_new: int, num_accepted: int) -> None:
+        pass  # the request's index catches up on the next proposal
+
+    def end(self, state: SuffixState) -> None:
+        pass
+
+    def learn(self, ctx: DraftContext) -> None:
+        """A request of `ctx.domain` finished (or stopped): its output joins that domain's cache."""
+        if ctx.domain is not None:
+            self.caches.add(ctx.domain, ctx.token_ids[ctx.num_prompt :])
+
+    def memory(self) -> TrafficMemory:
+        return TrafficMemory(self.caches.sizes(), self.caches.max_tokens)
