@@ -24,6 +24,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from bench.methods import TrafficMemories
 from bench.prompts import BenchPrompt
 from workers.batch import BatchEngine
 from workers.config import PLAIN
@@ -86,20 +87,27 @@ def run_levels(
     """summary.concurrency: per level, per method. `reference`: each request's plain output alone."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     out: dict[str, dict[str, LevelResult]] = {}
+    memories = TrafficMemories(engine)
     for c in levels:
         runs: dict[str, _Run] = {}
         for method in methods:
-            if method == SERIAL_METHOD:
-                runs[method] = _serial(engine, requests, params, c)
-            elif method == ROUTER_METHOD:
-                assert router is not None
-                runs[method] = _routed(RoutedBatch(router), requests, params, c)
-            else:
-                order = StepOrder() if method == PLAIN_METHOD else StepOrder(method, engine.default_draft_len(method))
-                runs[method] = _batched(BatchEngine(engine), requests, params, c, order)
+            memories.reset()  # each run learns from its own requests only (bench/methods.py)
+            with memories.of(method):
+                runs[method] = _run(engine, router, requests, params, c, method)
         base = _tokens_per_s(runs[PLAIN_METHOD])
         out[str(c)] = {m: _result(run, base, reference) for m, run in runs.items()}
     return out
+
+
+def _run(engine: SpecEngine, router: Router | None, requests: Sequence[Request], params: SamplingParams, c: int,
+         method: str) -> _Run:
+    if method == SERIAL_METHOD:
+        return _serial(engine, requests, params, c)
+    if method == ROUTER_METHOD:
+        assert router is not None
+        return _routed(RoutedBatch(router), requests, params, c)
+    order = StepOrder() if method == PLAIN_METHOD else StepOrder(method, engine.default_draft_len(method))
+    return _batched(BatchEngine(engine), requests, params, c, order)
 
 
 def _tokens_per_s(run: _Run) -> float:
@@ -178,7 +186,8 @@ def _batched(batch: BatchEngine, requests: Sequence[Request], params: SamplingPa
         gen.close()
         return ids
 
-    return _closed_loop(requests, concurrency, lambda r: batch.add(r.prompt_ids, params), step, output)
+    return _closed_loop(requests, concurrency, lambda r: batch.add(r.prompt_ids, params, domain=r.prompt.category),
+                        step, output)
 
 
 def _routed(batch: RoutedBatch, requests: Sequence[Request], params: SamplingParams, concurrency: int) -> _Run:

@@ -7,6 +7,8 @@
   hf-assisted  transformers assisted generation; the assistant is the first `model` drafter's model
   router       SpecRoute's adaptive routing: classifier, policy, live statistics of this run
 All are greedy with the same token budget and the same EOS set, so outputs must be identical.
+Drafters that learn from traffic (suffix) keep one memory per method (`TrafficMemories`); a
+fixed-drafter method's domain is the prompt's category, the router's its classifier's.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -24,6 +26,7 @@ from bench.prompts import BenchPrompt
 from bench.records import RunRecord
 from bench.summary import PLAIN_METHOD
 from workers.config import EngineConfig, ModelDrafterConfig
+from workers.drafters.suffix import SuffixCaches, SuffixDrafter
 from workers.engine import PLAIN, SpecEngine
 from workers.routing import Router, RoutingReport
 from workers.routing import generate as route
@@ -58,6 +61,32 @@ def assistant_config(config: EngineConfig) -> ModelDrafterConfig | None:
 
 
 @dataclass
+class TrafficMemories:
+    """The memories of the engine's learning drafters, one set per method: every method runs the
+    same prompts, so a memory shared between methods would hold the very output a method is
+    about to produce (another method's run of the same prompt)."""
+
+    engine: SpecEngine
+    _by_method: dict[str, list[SuffixCaches]] = field(default_factory=dict)
+
+    @property
+    def drafters(self) -> list[SuffixDrafter]:
+        return [d for d in self.engine.drafters.values() if isinstance(d, SuffixDrafter)]
+
+    @contextmanager
+    def of(self, method: str) -> Iterator[None]:
+        """Run `method`'s requests on its own memories (created empty on its first use)."""
+        memories = self._by_method.setdefault(method, [d.new_caches() for d in self.drafters])
+        for drafter, caches in zip(self.drafters, memories):
+            drafter.caches = caches
+        yield
+
+    def reset(self) -> None:
+        """Forget every method's memories."""
+        self._by_method.clear()
+
+
+@dataclass
 class EngineMethod:
     name: str
     engine: SpecEngine
@@ -66,7 +95,7 @@ class EngineMethod:
     def run(self, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int) -> RunRecord:
         params = SamplingParams(max_tokens=max_tokens)  # greedy
         t0 = time.perf_counter()
-        result = self.engine.generate(prompt_ids, params, self.drafter)
+        result = self.engine.generate(prompt_ids, params, self.drafter, domain=prompt.category)
         wall_s = time.perf_counter() - t0
         return RunRecord(
             question_id=prompt.question_id, category=prompt.category, method=self.name,

@@ -1,7 +1,9 @@
 """Spec-Bench prompts: one JSON object per line with question_id, category and turns.
 
 Only the first turn is benchmarked: the second turn of a Spec-Bench question follows the model's
-own first answer, which would make the prompt depend on the method that produced it.
+own first answer, which would make the prompt depend on the method that produced it. A line may
+instead carry `messages` ([{role, content}], earlier answers written out, as in
+bench/workloads/): the whole conversation is the prompt.
 """
 
 from __future__ import annotations
@@ -24,27 +26,44 @@ def _int_or_none(value: int | str) -> int | None:
 class BenchPrompt:
     question_id: int | str
     category: str
-    text: str  # the first turn
+    text: str  # the first turn; with `messages`, the last user message (what the classifier reads)
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) of a whole conversation
+
+    def chat(self) -> str | list[dict[str, str]]:
+        """What the chat template renders: the text as one user message, or the conversation."""
+        if self.messages is None:
+            return self.text
+        return [{"role": role, "content": content} for role, content in self.messages]
+
+
+def _parse(q: dict) -> BenchPrompt:
+    if "messages" in q:
+        messages = tuple((str(m["role"]), str(m["content"])) for m in q["messages"])
+        text = next(content for role, content in reversed(messages) if role == "user")
+        return BenchPrompt(q["question_id"], str(q["category"]), text, messages)
+    return BenchPrompt(q["question_id"], str(q["category"]), str(q["turns"][0]))
 
 
 def load_prompts(
     path: Path, per_category: int, categories: list[str] | None = None, heldout_mod: int | None = None,
-    train_split: bool = False,
+    train_split: bool = False, file_order: bool = False,
 ) -> list[BenchPrompt]:
-    """The first `per_category` questions of each category, categories in file order;
-    `categories` keeps only those (every name must exist in the file); `heldout_mod` keeps only
-    the held-out split the classifier never trained on (question_id % heldout_mod == 0), or with
-    `train_split` only the rest."""
+    """The first `per_category` questions of each category, categories in file order (with
+    `file_order`, the selected questions in file order instead: a workload whose requests must
+    run as a service would see them); `categories` keeps only those (every name must exist in the
+    file); `heldout_mod` keeps only the held-out split the classifier never trained on
+    (question_id % heldout_mod == 0), or with `train_split` only the rest."""
     if per_category <= 0:
         raise ValueError(f"per_category must be positive, got {per_category}")
     by_category: dict[str, list[BenchPrompt]] = {}
+    line_of: dict[int, int] = {}  # id(prompt) -> its line
     for lineno, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            q = json.loads(line)
-            prompt = BenchPrompt(q["question_id"], str(q["category"]), str(q["turns"][0]))
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+            prompt = _parse(json.loads(line))
+            line_of[id(prompt)] = lineno
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError, StopIteration) as e:
             reason = f"{type(e).__name__}: {e}"
             raise ValueError(f"{path}:{lineno}: not a Spec-Bench question ({reason})") from None
         if heldout_mod is None or is_heldout(_int_or_none(prompt.question_id), heldout_mod) != train_split:
@@ -60,6 +79,8 @@ def load_prompts(
             )
         wanted = [c for c in by_category if c in asked]
     prompts = [p for c in wanted for p in by_category[c][:per_category]]
+    if file_order:
+        prompts.sort(key=lambda p: line_of[id(p)])
     if not prompts:
         raise ValueError(f"{path}: no questions selected")
     ids = [p.question_id for p in prompts]

@@ -27,7 +27,7 @@ from bench.concurrency import (
 )
 from bench.lossless import find_mismatches
 from bench.machine import machine_info
-from bench.methods import HF_METHODS, ROUTER_METHOD, assistant_config, build_methods, check_methods
+from bench.methods import HF_METHODS, ROUTER_METHOD, TrafficMemories, assistant_config, build_methods, check_methods
 from bench.prompts import BenchPrompt, load_prompts
 from bench.records import RunRecord
 from bench.report import machine_section, write_report
@@ -61,12 +61,14 @@ class BenchArgs:
     routing: RoutingConfig = field(default_factory=RoutingConfig)  # the router method's policy
     heldout_mod: int | None = None  # keep question_id % N == 0 only: the classifier's held-out split
     concurrency: list[int] | None = None  # closed-loop client counts: the concurrency run instead
+    file_order: bool = False  # the selected prompts in file order (a workload), not by category
+    prime: int = 0  # the first N prompts run through every method untimed, feeding what learns from traffic
 
 
 def encode_checked(engine: SpecEngine, prompts: Sequence[BenchPrompt], params: SamplingParams) -> dict:
     """Each prompt's token ids by question id; a prompt the engine refuses raises ValueError
     naming the question (RequestError is a ValueError)."""
-    prompt_ids = {p.question_id: engine.encode(p.text) for p in prompts}
+    prompt_ids = {p.question_id: engine.encode(p.chat()) for p in prompts}
     for p in prompts:
         try:
             engine.check_request(prompt_ids[p.question_id], params)
@@ -132,7 +134,10 @@ def run_bench(args: BenchArgs) -> dict:
         return run_concurrency_bench(args)
     # cheap checks first: a typo must not cost a model load
     methods = check_methods(args.methods, args.config)
-    prompts = load_prompts(args.prompts, args.per_category, args.categories, args.heldout_mod)
+    prompts = load_prompts(args.prompts, args.per_category, args.categories, args.heldout_mod,
+                           file_order=args.file_order)
+    if args.prime >= len(prompts):
+        raise ValueError(f"--prime {args.prime} leaves none of the {len(prompts)} selected prompts to time")
     policy = load_policy(args.routing.policy_path()) if ROUTER_METHOD in methods else None
     params = SamplingParams(max_tokens=args.max_tokens)
 
@@ -148,16 +153,22 @@ def run_bench(args: BenchArgs) -> dict:
     router = bench_router(engine, policy, args.routing, batched=False) if policy is not None else None
     runners = build_methods(methods, engine, hf_model, assistant, router)
 
+    memories = TrafficMemories(engine)
     for p in prompts[: max(0, args.warmup)]:
         for method in runners:
-            method.run(p, prompt_ids[p.question_id], args.max_tokens)
+            with memories.of(method.name):
+                method.run(p, prompt_ids[p.question_id], args.max_tokens)
+    memories.reset()  # the warm-up prompts are timed again: nothing may have learned them
 
     records: list[RunRecord] = []
     with tqdm(total=len(prompts) * len(runners), desc="bench", unit="run") as bar:
-        for p in prompts:
+        for i, p in enumerate(prompts):
             for method in runners:
                 bar.set_postfix_str(f"{p.category} q{p.question_id} {method.name}")
-                records.append(method.run(p, prompt_ids[p.question_id], args.max_tokens))
+                with memories.of(method.name):
+                    record = method.run(p, prompt_ids[p.question_id], args.max_tokens)
+                if i >= args.prime:  # primed prompts only feed the memories
+                    records.append(record)
                 bar.update()
 
     mismatches = find_mismatches(records, prompt_ids, load_target)

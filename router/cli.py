@@ -171,6 +171,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup, verify_curve=not args.no_verify_curve, command=" ".join(sys.argv),
         routing=routing_config(args.policy), heldout_mod=args.heldout_mod,
         concurrency=_levels(args.concurrency) if args.concurrency is not None else None,
+        file_order=args.order == "file", prime=args.prime,
     )
     try:
         run_bench(bench_args)
@@ -368,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--policy", type=Path, default=None, help="routing policy YAML of the router method")
     bench.add_argument("--heldout-mod", type=_positive_int, default=None,
                        help="only question_id %% N == 0: the split the classifier never trained on")
+    bench.add_argument("--order", choices=("category", "file"), default="category",
+                       help="the selected prompts by category (default) or in file order: a workload whose "
+                            "requests must run as a service would see them (bench/workloads/)")
+    bench.add_argument("--prime", type=_non_negative_int, default=0,
+                       help="run the first N prompts through every method untimed first: what learns from "
+                            "traffic (the suffix drafter's memory, the router's statistics) starts warm")
     bench.add_argument("--concurrency", default=None, metavar="C1,C2,...",
                        help="closed-loop client counts: run the methods (plain, drafters, router, plain-serial) "
                             "under concurrent load instead, and report throughput and latency per level")

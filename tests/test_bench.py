@@ -18,7 +18,7 @@ from bench.records import RunRecord
 from bench.report import TABLE_HEADER, mismatch_section
 from bench.runner import BenchArgs, run_bench
 from bench.summary import OVERALL, summarize
-from workers.config import EngineConfig, NgramDrafterConfig
+from workers.config import EngineConfig, NgramDrafterConfig, SuffixDrafterConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RESULT_KEYS = {"target", "device", "max_tokens", "runs", "summary", "mismatches", "verify_curve", "machine",
@@ -135,6 +135,37 @@ def test_cli_bench(tmp_path: Path, tiny_config: EngineConfig, capsys: pytest.Cap
     err = capsys.readouterr().err
     assert "ngarm" in err and "ngram" in err  # names the bad method and lists the valid ones
     assert not (tmp_path / "bad").exists()
+
+
+def test_cli_bench_primes_a_workload_in_file_order(tmp_path: Path, tiny_config: EngineConfig) -> None:
+    """--order file keeps the file's order; --prime N runs the first N untimed, feeding each
+    method's own suffix memory; a `messages` line is rendered as the whole conversation."""
+    from router.cli import main
+
+    engine = tiny_config.model_copy(update={"drafters": [*tiny_config.drafters, SuffixDrafterConfig()]})
+    config = tmp_path / "engine.yaml"
+    config.write_text(yaml.safe_dump(engine.model_dump(mode="json")))
+    lines = [{"question_id": f"q{i}", "category": "ab"[i % 2], "turns": [f"List the numbers {i} {i} {i} {i}."]}
+             for i in range(4)]
+    lines[3]["messages"] = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."},
+                            {"role": "user", "content": lines[3]["turns"][0]}]
+    prompts = tmp_path / "workload.jsonl"
+    prompts.write_text("".join(json.dumps(q) + "\n" for q in lines))
+    loaded = load_prompts(prompts, 10, file_order=True)
+    assert [p.question_id for p in loaded] == ["q0", "q1", "q2", "q3"]
+    assert [p.question_id for p in load_prompts(prompts, 10)] == ["q0", "q2", "q1", "q3"]  # by category
+    assert loaded[3].chat()[1] == {"role": "assistant", "content": "Blue."} and loaded[3].text == lines[3]["turns"][0]
+
+    out = tmp_path / "out"
+    assert main(["bench", "--prompts", str(prompts), "--per-category", "10", "--max-tokens", "12", "--config",
+                 str(config), "--warmup", "1", "--no-verify-curve", "--order", "file", "--prime", "2",
+                 "--methods", "plain,suffix", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [(r["question_id"], r["method"]) for r in results["runs"]] == [
+        ("q2", "plain"), ("q2", "suffix"), ("q3", "plain"), ("q3", "suffix")]
+    assert not results["mismatches"]
+    assert main(["bench", "--prompts", str(prompts), "--config", str(config), "--prime", "4", "--methods", "plain",
+                 "--out", str(tmp_path / "none")]) == 2  # nothing left to time
 
 
 def test_bad_methods_and_categories(tmp_path: Path) -> None:
