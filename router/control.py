@@ -35,7 +35,8 @@ _FIELD = re.compile(r"([A-Za-z_][\w.\-]*): ")  # a PolicyError names its field f
 # -- observe -------------------------------------------------------------------------------------
 def combine(observations: Sequence[Observation]) -> Observation:
     """One view of every replica's observation: a shared store's once, in-memory stores summed
-    (policy and outlook: the first replica's). Store health and batching add up over replicas."""
+    (policy and outlook: the first replica's). Store health, batching and the drafters' traffic
+    memories add up over replicas."""
     first = observations[0]
     health = StoreHealth(
         first.store.backend, connected=all(o.store.connected for o in observations),
@@ -44,11 +45,13 @@ def combine(observations: Sequence[Observation]) -> Observation:
         num_dropped=sum(o.store.num_dropped for o in observations),
         last_error=next((o.store.last_error for o in observations if o.store.last_error), None),
     )
-    batching = first.batching
-    for o in observations[1:]:  # each replica's own scheduler: always summed
+    batching, memory = first.batching, dict(first.traffic_memory)
+    for o in observations[1:]:  # each replica's own scheduler and memories: always summed
         batching += o.batching
+        for name, m in o.traffic_memory.items():
+            memory[name] = memory[name] + m if name in memory else m
     if first.store.backend != "memory" or len(observations) == 1:
-        return replace(first, store=health, batching=batching)
+        return replace(first, store=health, batching=batching, traffic_memory=memory)
     all_time, window = _sum(o.all_time for o in observations), _sum(o.window for o in observations)
     by_start: dict[float, SeriesPoint] = {}
     for o in observations:
@@ -56,7 +59,7 @@ def combine(observations: Sequence[Observation]) -> Observation:
             known = by_start.get(p.start_s)
             by_start[p.start_s] = p if known is None else replace(known, snapshot=known.snapshot.merge(p.snapshot))
     return replace(
-        first, all_time=all_time, window=window, store=health, batching=batching,
+        first, all_time=all_time, window=window, store=health, batching=batching, traffic_memory=memory,
         measured_speedup={d: finite(measured_speedup(window, d)) for d in first.domains},
         series=tuple(by_start[s] for s in sorted(by_start)),
     )

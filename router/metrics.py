@@ -46,6 +46,7 @@ class SpecRouteCollector:
         yield from self._speedup()
         yield from self._histograms()
         yield from self._batching()
+        yield from self._traffic_memory()
         yield from self._store()
 
     def _spec_decode(self) -> Iterator[Metric]:
@@ -141,6 +142,21 @@ class SpecRouteCollector:
                                       "Tokens emitted per second of target steps, since the replicas started")
             gauge.add_metric([], goodput)
             yield gauge
+
+    def _traffic_memory(self) -> Iterator[Metric]:
+        if not self.obs.traffic_memory:
+            return
+        held = GaugeMetricFamily(f"{PREFIX}suffix_cache_tokens", "Past output tokens a suffix drafter keeps, per "
+                                 "domain (summed over replicas: each keeps its own)", labels=["drafter", "domain"])
+        budget = GaugeMetricFamily(f"{PREFIX}suffix_cache_max_tokens", "A suffix drafter's token budget over all "
+                                   "domains, summed over replicas (oldest requests evicted past it)",
+                                   labels=["drafter"])
+        for drafter, memory in self.obs.traffic_memory.items():
+            for domain, tokens in memory.tokens.items():
+                if domain in self.obs.domains:  # a domain an earlier policy had keeps its memory, unexported
+                    held.add_metric([drafter, domain], tokens)
+            budget.add_metric([drafter], memory.max_tokens)
+        yield from (held, budget)
 
     def _store(self) -> Iterator[Metric]:
         health, labels = self.obs.store, ["backend"]

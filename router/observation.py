@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from policies.records import BatchingStats, StatsSnapshot
@@ -26,6 +26,21 @@ class ArmView:
 
 
 @dataclass(frozen=True)
+class TrafficMemoryView:
+    """What a drafter that learns from traffic holds on the replica (workers TrafficMemory)."""
+
+    tokens: Mapping[str, int]  # per domain
+    max_tokens: int  # its budget over all domains
+
+    def __add__(self, other: TrafficMemoryView) -> TrafficMemoryView:
+        """Two replicas' memories together (each replica keeps its own)."""
+        tokens = dict(self.tokens)
+        for domain, n in other.tokens.items():
+            tokens[domain] = tokens.get(domain, 0) + n
+        return TrafficMemoryView(tokens, self.max_tokens + other.max_tokens)
+
+
+@dataclass(frozen=True)
 class Observation:
     replica: str  # the worker replica that answered
     policy_version: str
@@ -40,6 +55,8 @@ class Observation:
     store: StoreHealth
     series: tuple[SeriesPoint, ...] = ()  # one per store time bucket of the window, oldest first
     batching: BatchingStats = BatchingStats()  # the replica's scheduler (replicas add up)
+    # per drafter that learns from traffic (suffix): tokens held per domain, and its budget
+    traffic_memory: Mapping[str, TrafficMemoryView] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Observation:
@@ -59,6 +76,8 @@ class Observation:
             series=tuple(SeriesPoint(p["start_s"], p["bucket_s"], StatsSnapshot.from_json(p["snapshot"]))
                          for p in data.get("series", ())),
             batching=BatchingStats.from_json(data["batching"]) if "batching" in data else BatchingStats(),
+            traffic_memory={name: TrafficMemoryView(dict(m["tokens"]), int(m["max_tokens"]))
+                            for name, m in data.get("traffic_memory", {}).items()},
         )
 
 

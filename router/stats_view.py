@@ -104,4 +104,6 @@ def stats_json(obs: Observation) -> dict[str, Any]:
         "batching": {"num_running": obs.batching.num_running, "num_waiting": obs.batching.num_waiting,
                      "mean_batch_size": obs.batching.mean_batch_size,
                      "goodput_tokens_per_s": obs.batching.goodput},
+        "suffix_caches": {name: {"tokens": dict(m.tokens), "max_tokens": m.max_tokens}
+                          for name, m in obs.traffic_memory.items()},
     }

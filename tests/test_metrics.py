@@ -28,8 +28,8 @@ from policies.schema import DEFAULT_POLICY_PATH, load_policy
 from policies.stats import MemoryStats, StoreHealth
 from router.control import ControlError, check_admin_token, combine, parse_policy_body, policy_outcome
 from router.metrics import render
-from router.observation import Observation
-from workers.config import EngineConfig
+from router.observation import Observation, TrafficMemoryView
+from workers.config import EngineConfig, SuffixDrafterConfig
 from workers.deployment import PolicyResult
 
 MODEL = "tiny-test-model"
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 REDIS_URL = "redis://127.0.0.1:6379/0"
 TOKEN = "s3cret-token"
 DOMAINS = set(load_policy(DEFAULT_POLICY_PATH).domains)
-DRAFTERS = {"ngram", "self", "other"}  # tiny_config's
+DRAFTERS = {"ngram", "self", "other", "suffix"}  # tiny_config's and a suffix drafter
 RESPONSES: list[dict] = []  # every completed request of this module
 METRIC = re.compile(r"\bspecroute_[A-Za-z0-9_]+")
 
@@ -66,6 +66,19 @@ def _step(domain: str = "code", drafter: str = "ngram", k: int = 4, accepted: in
 def _families(text: str) -> dict[str, list]:
     """Metric family name -> its samples."""
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def test_suffix_memories_add_up_over_replicas_and_render_as_gauges() -> None:
+    def with_memory(obs: Observation, tokens: dict[str, int]) -> Observation:
+        return replace(obs, traffic_memory={"suffix": TrafficMemoryView(tokens, 100)})
+
+    both = combine([with_memory(_observation(MemoryStats()), {"code": 10, "chat": 5}),
+                    with_memory(_observation(MemoryStats(), replica="r2"), {"code": 7})])
+    assert both.traffic_memory == {"suffix": TrafficMemoryView({"code": 17, "chat": 5}, 200)}
+    fams = _families(render(both).decode())
+    assert {(s.labels["domain"], s.value) for s in fams["specroute_suffix_cache_tokens"]} == {("code", 17), ("chat", 5)}
+    assert [s.value for s in fams["specroute_suffix_cache_max_tokens"]] == [200]
+    assert "specroute_suffix_cache_tokens" not in _families(render(_observation(MemoryStats())).decode())
 
 
 def test_render_bounds_labels_to_the_configured_lists() -> None:
@@ -158,7 +171,8 @@ def base_url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory
         pytest.skip(f"no Redis at {REDIS_URL}: {e}")
     prefix = f"test-metrics-{uuid.uuid4().hex[:10]}"
     try:
-        with serve_tiny_app(tiny_config, tmp_path_factory.mktemp("serve"), MODEL, num_replicas=2,
+        config = tiny_config.model_copy(update={"drafters": [*tiny_config.drafters, SuffixDrafterConfig()]})
+        with serve_tiny_app(config, tmp_path_factory.mktemp("serve"), MODEL, num_replicas=2,
                             stats_url=REDIS_URL, stats_prefix=prefix, admin_token=TOKEN) as url:
             yield url
     finally:
@@ -284,6 +298,20 @@ def test_batching_metrics_count_the_steps(base_url: str, traffic: list[dict]) ->
     assert fams["specroute_goodput_tokens_per_second"][0].value > 0
 
 
+def test_suffix_cache_size_is_reported(base_url: str, traffic: list[dict]) -> None:
+    """The replicas' suffix caches hold what they served, within their budgets: a gauge per
+    domain (the policy's domains only) and the budget, summed over the two replicas, in /metrics
+    and /v1/stats."""
+    budget = 2 * SuffixDrafterConfig().cache_tokens
+    fams = _scrape(base_url)
+    assert [(s.labels, s.value) for s in fams["specroute_suffix_cache_max_tokens"]] == [({"drafter": "suffix"}, budget)]
+    held = {s.labels["domain"]: s.value for s in fams["specroute_suffix_cache_tokens"]}
+    assert {s.labels["drafter"] for s in fams["specroute_suffix_cache_tokens"]} == {"suffix"}
+    assert set(held) <= DOMAINS and 0 < sum(held.values()) <= budget
+    stats = requests.get(f"{base_url}/v1/stats", timeout=30).json()
+    assert stats["suffix_caches"] == {"suffix": {"tokens": held, "max_tokens": budget}}
+
+
 def test_replicas_sharing_redis_report_identical_totals(base_url: str, traffic: list[dict]) -> None:
     from ray import serve
 
@@ -365,7 +393,7 @@ def test_prometheus_config_and_alert_rules(base_url: str, traffic: list[dict]) -
 
 # -- PUT /v1/policy ----------------------------------------------------------------------------------
 def _policy_text(version: str, k_min: int = 1) -> str:
-    text = DEFAULT_POLICY_PATH.read_text().replace('version: "default-2"', f'version: "{version}"')
+    text = DEFAULT_POLICY_PATH.read_text().replace('version: "default-3"', f'version: "{version}"')
     return text.replace("k_min: 1\n", f"k_min: {k_min}\n", 1)  # the first domain (code)
 
 
@@ -414,4 +442,4 @@ def test_put_policy_reaches_every_replica(base_url: str) -> None:
     worker.broadcast("reconfigure", {"policy": {"version": "uc-bad"}}).results(timeout_s=60)
     assert {a["policy_version"] for a in worker.broadcast("observe").results(timeout_s=60)} == {"put-2"}
     worker.broadcast("reconfigure", {"policy": str(DEFAULT_POLICY_PATH)}).results(timeout_s=60)
-    assert {a["policy_version"] for a in worker.broadcast("observe").results(timeout_s=60)} == {"default-2"}
+    assert {a["policy_version"] for a in worker.broadcast("observe").results(timeout_s=60)} == {"default-3"}

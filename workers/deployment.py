@@ -262,6 +262,7 @@ class TargetWorker:
             "store": asdict(store.health()),
             "batching": replace(self.batching, num_running=self.batch.num_running,
                                 num_waiting=self.batch.num_waiting + len(self._pending)).to_json(),
+            "traffic_memory": {d.name: asdict(d.memory()) for d in self.engine.learners},
         }
         if include_series:
             out["series"] = [
