@@ -58,11 +58,11 @@ def test_shipped_default_policy_validates() -> None:
     assert policy.default_domain in policy.domains
     shipped = {d.name for d in load_engine_config(DEFAULT_SERVE_CONFIG).drafters}
     for name, dp in policy.domains.items():
-        assert {"ngram", PLAIN} <= set(dp.drafters) <= shipped | {PLAIN}, name
+        assert {"ngram", "suffix", PLAIN} <= set(dp.drafters) <= shipped | {PLAIN}, name
         assert all(0.0 <= p <= 1.0 for p in dp.priors.values()) and set(dp.priors) == set(dp.drafters) - {PLAIN}
         assert dp.k_max == 10
-        # the trained drafters draft where they pay (chat, code, math), prompt lookup first
-        assert dp.cheap_first == (set(dp.drafters) != {"ngram", PLAIN})
+        # the trained drafters draft where they pay (chat, code, math), the cheap drafters first
+        assert dp.cheap_first == bool(set(dp.drafters) - {"ngram", "suffix", PLAIN})
     # copying tasks accept more than open chat
     assert policy.domains["translation"].priors["ngram"] > policy.domains["chat"].priors["ngram"]
     assert check_policy_drafters(policy, shipped).ignored == ()

@@ -36,7 +36,7 @@ def test_own_context_agrees_with_prompt_lookup_on_single_occurrences() -> None:
     """With every n-gram occurring once, the most frequent continuation is the only one: the
     proposal is prompt lookup's, up to the length the match allows."""
     rng = random.Random(0)
-    drafter, ngram = make(max_spec_factor=100.0), NgramDrafter(NgramDrafterConfig())
+    drafter, ngram = make(min_n=2, max_spec_factor=100.0), NgramDrafter(NgramDrafterConfig())
     for _ in range(200):
         ids = [rng.randrange(12) for _ in range(rng.randrange(1, 30))]
         c = ctx(list(ids))
@@ -94,7 +94,7 @@ def test_learns_from_finished_requests_of_the_same_domain_only() -> None:
 
 
 def test_a_match_never_spans_two_requests() -> None:
-    drafter = make()
+    drafter = make(min_n=2)
     drafter.learn(ctx([1, 2, 3], "d"))
     drafter.learn(ctx([4, 5, 6], "d"))
     assert propose(drafter, [9, 3, 4], 3, "d") == []  # (3, 4) only across the boundary
