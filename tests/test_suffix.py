@@ -12,7 +12,8 @@ from pydantic import ValidationError
 from workers.config import NgramDrafterConfig, SuffixDrafterConfig, TreeConfig
 from workers.drafters.base import DraftContext
 from workers.drafters.ngram import NgramDrafter
-from workers.drafters.suffix import SEPARATOR, SuffixCaches, SuffixDrafter, TokenIndex
+from workers.drafters.suffix import SuffixCaches, SuffixDrafter
+from workers.drafters.token_index import SEPARATOR, TokenIndex
 from workers.sampling import SamplingParams, make_generator
 
 
