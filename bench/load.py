@@ -79,8 +79,7 @@ def long_prompt_text(prompts: list[BenchPrompt], num_tokens: int) -> BenchPrompt
 
 def one_request(session: requests.Session, args: LoadArgs, prompt: BenchPrompt) -> RequestTiming:
     body = {
-        "messages": [{"role": role, "content": text} for role, text in prompt.messages or [("user", prompt.text)]],
-        "max_tokens": args.max_tokens, "temperature": 0,
+        "messages": prompt.conversation(), "max_tokens": args.max_tokens, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True}, "speculation": {"drafter": args.speculation},
     }
     if args.model:

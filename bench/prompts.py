@@ -29,11 +29,14 @@ class BenchPrompt:
     text: str  # the first turn; with `messages`, the last user message (what the classifier reads)
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) of a whole conversation
 
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages an OpenAI-style request carries: the text as one user message, or the
+        whole conversation."""
+        return [{"role": role, "content": content} for role, content in self.messages or [("user", self.text)]]
+
     def chat(self) -> str | list[dict[str, str]]:
-        """What the chat template renders: the text as one user message, or the conversation."""
-        if self.messages is None:
-            return self.text
-        return [{"role": role, "content": content} for role, content in self.messages]
+        """What the engine encodes through the chat template (a bare text: as one user message)."""
+        return self.text if self.messages is None else self.conversation()
 
 
 def _parse(q: dict) -> BenchPrompt:

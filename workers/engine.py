@@ -165,7 +165,6 @@ class Generation:
         self.on_step = on_step
         self.model = engine.target.model
         self.device = self.model.device
-        self.num_prompt = len(prompt_ids)
         max_len = len(prompt_ids) + params.max_tokens
         self.ctx = DraftContext(list(prompt_ids), params, make_generator(params.seed, self.device), max_len,
                                 num_prompt=len(prompt_ids), domain=domain)
@@ -206,6 +205,10 @@ class Generation:
         if cache.capacity < self.ctx.max_len:
             raise ValueError(f"a cache of {cache.capacity} positions cannot hold {self.ctx.max_len}")
         self.cache = cache
+
+    @property
+    def num_prompt(self) -> int:
+        return self.ctx.num_prompt
 
     @property
     def output_ids(self) -> list[int]:
