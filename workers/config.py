@@ -145,6 +145,27 @@ class SuffixDrafterConfig(_Strict):
         return self
 
 
+class LookaheadDrafterConfig(_Strict):
+    """Lookahead decoding (workers/drafters/lookahead.py): the target itself, run over a window of
+    Jacobi guesses next to the verified draft, fills a pool of n-grams to draft from."""
+
+    kind: Literal["lookahead"] = "lookahead"
+    name: str = "lookahead"
+    # the defaults: the fastest of the shapes measured on a CPU (docs/benchmarks.md); a GPU takes more
+    window: int = Field(2, ge=1, le=32, description="W: future positions the lookahead branch guesses per step")
+    ngram: int = Field(3, ge=2, le=8, description="N: the n-grams the branch collects (N - 1 Jacobi levels kept)")
+    guesses: int = Field(2, ge=0, le=32, description="G: n-grams verified per step (and kept per first token)")
+    pool_from_prompt: bool = Field(True, description="also fill the pool with the prompt's own n-grams")
+    draft_len: int = Field(2, ge=1, description="static k: tokens of each guessed n-gram verified (at most N - 1)")
+
+    def size(self, depth: int) -> int:
+        """Draft tokens a step verifies when asked k = depth: the lookahead branch's W (N - 1) and
+        at most G guesses of min(k, N - 1) tokens (fewer where they share a prefix)."""
+        if depth <= 0:
+            return 0
+        return self.window * (self.ngram - 1) + self.guesses * min(depth, self.ngram - 1)
+
+
 class ModelDrafterConfig(_Strict):
     kind: Literal["model"] = "model"
     name: str = "model"
@@ -184,7 +205,8 @@ class MedusaDrafterConfig(_CheckpointDrafterConfig):
 
 
 DrafterConfig = Annotated[
-    NgramDrafterConfig | SuffixDrafterConfig | ModelDrafterConfig | EagleDrafterConfig | MedusaDrafterConfig,
+    NgramDrafterConfig | SuffixDrafterConfig | LookaheadDrafterConfig | ModelDrafterConfig | EagleDrafterConfig
+    | MedusaDrafterConfig,
     Field(discriminator="kind"),
 ]
 

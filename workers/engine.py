@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from workers.config import PLAIN, EngineConfig
-from workers.drafters.base import Draft, DraftContext, Drafter, TrafficLearner
+from workers.drafters.base import Draft, DraftContext, Drafter, LogitsReader, TrafficLearner
 from workers.drafters.registry import build_drafters
 from workers.drafters.remote import DraftService
 from workers.models.base import ForwardOutput, KVCache
@@ -303,8 +303,10 @@ class Generation:
             self.ctx.features[context_len - 1 : context_len + result.num_accepted] = out.hidden[kept]
         verify_s = forward_s + time.perf_counter() - t1
 
-        num_emitted = self._emit(result.token_ids)
         drafter = p.drafter
+        if drafter in self.engine.logits_readers and p.draft_ids.numel():
+            self._guard(drafter, lambda impl, state: impl.read_logits(state, self.ctx, out.logits))
+        num_emitted = self._emit(result.token_ids)
         if drafter != PLAIN:
             self._guard(drafter, lambda impl, state: impl.commit(state, self.ctx, num_emitted, result.num_accepted))
         stats = StepStats(
@@ -496,6 +498,7 @@ class SpecEngine:
         # the target's hidden states are kept per request only when some drafter reads them
         self.needs_hidden_states = any(d.needs_hidden_states for d in drafters.values())
         self.learners = [d for d in drafters.values() if isinstance(d, TrafficLearner)]
+        self.logits_readers = {name for name, d in drafters.items() if isinstance(d, LogitsReader)}
 
     @classmethod
     def from_config(cls, config: EngineConfig, services: Mapping[str, DraftService] | None = None) -> SpecEngine:

@@ -29,7 +29,7 @@ from policies.schema import Policy, PolicyError, check_policy_drafters, load_pol
 from policies.selector import FORCED, CostTable, Features, Plan, StepChoice, StepController, decide, forced_plan
 from policies.stats import StatsStore
 from workers.batch import BatchEngine, BatchStep
-from workers.config import PLAIN, RoutingConfig
+from workers.config import PLAIN, LookaheadDrafterConfig, RoutingConfig
 from workers.drafters.remote import RemoteDrafter
 from workers.engine import Generation, GenerationResult, RequestError, SpecEngine, StepOrder, StepStats
 from workers.sampling import SamplingParams
@@ -137,10 +137,14 @@ def relative_batch_cost(costs: CostTable) -> BatchCost:
 
 
 def tree_sizes(engine: SpecEngine) -> dict[str, tuple[int, ...]]:
-    """Per tree drafter, the draft tokens a step verifies at each depth 0..max_draft_len: what
-    the policy prices its verify forward by (a chain verifies k)."""
-    return {d.name: tuple(d.tree.size(k) for k in range(engine.config.max_draft_len + 1))
-            for d in engine.config.drafters if getattr(d, "tree", None) is not None}
+    """Per tree drafter (a `tree` config, or lookahead's window and guesses), the draft tokens a
+    step verifies at each k = 0..max_draft_len: what the policy prices its verify forward by (a
+    chain verifies k)."""
+    sizes = {}
+    for d in engine.config.drafters:
+        if (shape := d if isinstance(d, LookaheadDrafterConfig) else getattr(d, "tree", None)) is not None:
+            sizes[d.name] = tuple(shape.size(k) for k in range(engine.config.max_draft_len + 1))
+    return sizes
 
 
 def measure_draft_costs(engine: SpecEngine, prompt: list[int], repeats: int, k: int = 4) -> dict[str, float]:

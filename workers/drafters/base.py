@@ -83,6 +83,20 @@ class Drafter(Protocol):
 
 
 @runtime_checkable
+class LogitsReader(Protocol):
+    """A drafter whose draft holds rows run for its own sake, not only to be verified (Lookahead
+    decoding's Jacobi window): it reads the target's logits at its draft's nodes."""
+
+    name: str
+
+    def read_logits(self, state: Any, ctx: DraftContext, logits: torch.Tensor) -> None:
+        """After verification of this drafter's draft: logits [1 + n, vocab] of the step's inputs,
+        the root then the draft's nodes (n may be fewer than proposed: a tree cut to fit the
+        token budget keeps its first n nodes). ctx.token_ids does not hold the step's tokens yet."""
+        ...
+
+
+@runtime_checkable
 class TrafficLearner(Protocol):
     """A drafter that also learns from the requests a replica serves (suffix decoding)."""
 

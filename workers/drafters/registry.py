@@ -9,6 +9,7 @@ import torch
 from workers.config import (
     DrafterConfig,
     EagleDrafterConfig,
+    LookaheadDrafterConfig,
     MedusaDrafterConfig,
     ModelDrafterConfig,
     NgramDrafterConfig,
@@ -16,6 +17,7 @@ from workers.config import (
 )
 from workers.drafters.base import Drafter
 from workers.drafters.eagle import CheckpointError, EagleDrafter, EagleNet
+from workers.drafters.lookahead import LookaheadDrafter
 from workers.drafters.medusa import MedusaDrafter, MedusaHeads
 from workers.drafters.model import ModelDrafter
 from workers.drafters.ngram import NgramDrafter
@@ -84,6 +86,11 @@ def build_drafter(config: DrafterConfig, target: LoadedModel, service: DraftServ
     if getattr(config, "tree", None) is not None and not target.model.supports_tree:
         raise ModelLoadError(f"drafter {config.name!r}: draft trees need the fast Llama backend "
                              "(target backend: fast or auto)")
+    if isinstance(config, LookaheadDrafterConfig):
+        if not target.model.supports_tree:
+            raise ModelLoadError(f"drafter {config.name!r}: lookahead decoding runs its window as a draft tree, "
+                                 "which needs the fast Llama backend (target backend: fast or auto)")
+        return LookaheadDrafter(config)
     if isinstance(config, NgramDrafterConfig):
         return NgramDrafter(config)
     if isinstance(config, SuffixDrafterConfig):
