@@ -27,7 +27,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from policies.cost import expected_tokens
+from policies.cost import expected_rows, expected_tokens
 
 MIN_GAIN = 1e-3  # relative goodput gain an extension must bring (no churn on float noise)
 
@@ -65,11 +65,14 @@ class DraftOption:
     draft_s_per_token: float = 0.0
     propose_rate: float = 1.0  # share of steps the drafter proposes at all (prompt lookup)
     verified: tuple[int, ...] | None = None  # a tree's tokens verified at each depth; None: a chain
+    propose_rates: tuple[float, ...] | None = None  # per position, of a chain drafter (StepCosts)
 
     def rows(self, k: int) -> float:
         if k == 0:
             return 1.0
-        return 1.0 + self.propose_rate * (self.verified[k] if self.verified is not None else k)
+        if self.verified is not None:
+            return 1.0 + self.propose_rate * self.verified[k]
+        return 1.0 + expected_rows(self.propose_rates, self.propose_rate, k)
 
 
 def allocate(options: Sequence[DraftOption | None], cost: BatchCost, prefill_rows: int = 0) -> list[int]:

@@ -6,9 +6,12 @@ tokens (the bonus or recovered token is the 1). With a_j the acceptance rate at 
 every earlier token was accepted, P(first i + 1 accepted) = prod_{j <= i} a_j. The step costs
 t_draft(k) + t_verify(k); plain decoding emits one token per t_plain. So
     speedup(k) = E(k) * t_plain / (t_draft(k) + t_verify(k)),    plain = 1.
-A drafter that proposes only on a fraction m of its steps (prompt lookup needs a match) has
-t_verify(k) = m T(1 + k) + (1 - m) T(1), and the prefix probabilities count unproposed steps as
-rejected.
+A drafter proposes a token at position i on a share r_i of the steps that ask for it (prompt
+lookup needs a match, and proposes only as far as its match goes), so a step verifies position i
+with probability r_i (non-increasing in i) and
+    t_verify(k) = T(1) + sum_{i < k} r_i (T(2 + i) - T(1 + i)),
+which is m T(1 + k) + (1 - m) T(1) for a drafter that proposes all k tokens or none (a trained
+model: r_i = m). The prefix probabilities count unproposed positions as rejected.
 
 A replica interleaves its requests step by step, so a request's longer step delays every other
 request's next token. With the others emitting A tokens per round in steps worth B plain steps
@@ -52,6 +55,9 @@ class StepCosts:
     propose_rate: float = 1.0
     # a draft tree's tokens verified at each depth k (verified[k] >= k); None: a chain verifies k
     verified: Sequence[int] | None = None
+    # a chain drafter that proposes as far as it can (prompt lookup, suffix): P(it proposes
+    # position i), per position; None: all k positions whenever it proposes (propose_rate)
+    propose_rates: Sequence[float] | None = None
 
     @property
     def max_k(self) -> int:
@@ -68,9 +74,29 @@ class StepCosts:
     def step_s(self, k: int) -> float:
         if not 0 <= k <= self.max_k:
             raise ValueError(f"no verify cost for k = {k} (known up to {self.max_k})")
-        m = self.propose_rate
-        n = self.verified[k] if self.verified is not None else k
-        return k * self.draft_s_per_token + m * self.verify_cost(n) + (1.0 - m) * self.verify_s[0]
+        if self.verified is not None:  # a tree verifies all its nodes whenever it proposes
+            rows = [self.propose_rate] * self.verified[k]
+        else:
+            rows = position_rates(self.propose_rates, self.propose_rate, k)
+        verify = self.verify_s[0] + sum(r * (self.verify_cost(i + 1) - self.verify_cost(i)) for i, r in enumerate(rows))
+        return k * self.draft_s_per_token + verify
+
+
+def position_rates(rates: Sequence[float] | None, rate: float, k: int) -> list[float]:
+    """P(a step asking k tokens verifies draft position i), i < k: `rates` kept non-increasing
+    (past its end, its last value), or `rate` at every position when None."""
+    if rates is None or not rates:
+        return [rate] * k
+    out, floor = [], 1.0
+    for i in range(k):
+        floor = min(floor, rates[min(i, len(rates) - 1)])
+        out.append(floor)
+    return out
+
+
+def expected_rows(rates: Sequence[float] | None, rate: float, k: int) -> float:
+    """Draft positions a step asking k tokens verifies, in expectation (`position_rates`)."""
+    return sum(position_rates(rates, rate, k))
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import itertools
 import math
 import random
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from policies.cost import ALONE, BestDraftLen, RoundLoad, StepCosts, best_draft_len, predicted_speedup
@@ -62,9 +62,14 @@ class CostTable:
         """The prior when nothing is measured: plain = 1, verify(k) = 1 + VERIFY_SLOPE * k."""
         return cls(tuple(1.0 + VERIFY_SLOPE * k for k in range(max_k + 1)))
 
-    def for_drafter(self, drafter: str, propose_rate: float = 1.0) -> StepCosts:
+    def for_drafter(self, drafter: str, propose_rate: float = 1.0,
+                    propose_rates: Sequence[float] | None = None) -> StepCosts:
         return StepCosts(self.plain_s, self.draft_s_per_token.get(drafter, 0.0), self.verify_s, propose_rate,
-                         self.tree_sizes.get(drafter))
+                         self.tree_sizes.get(drafter), propose_rates)
+
+    def for_estimate(self, drafter: str, est: Acceptance) -> StepCosts:
+        """The step costs of `drafter` proposing as its estimate says it does."""
+        return self.for_drafter(drafter, est.proposes, est.proposed)
 
 
 def cost_table(snapshot: StatsSnapshot, bucket: str, prior: CostTable | None, drafters: Iterable[str]) -> CostTable:
@@ -105,10 +110,16 @@ class Acceptance:
     weight: tuple[float, ...]
     proposes: float = 1.0  # P(a step asking this drafter gets a proposal at all)
     proposes_weight: float = 0.0  # steps behind `proposes` (the prior assumes it always proposes)
+    # a drafter the engine asks for max_draft_len on every step (the cheap ones, scored as shadows):
+    # its position counts are over every step, and `proposed` says how far it proposes
+    own_length: bool = False
+    # own_length: P(a step gets a token proposed at position i), non-increasing (the prior: always)
+    proposed: tuple[float, ...] | None = None
 
     @classmethod
-    def geometric(cls, rate: float, weight: float, length: int = MAX_DRAFT_LEN) -> Acceptance:
-        return cls(tuple(rate ** (i + 1) for i in range(length)), (weight,) * length)
+    def geometric(cls, rate: float, weight: float, length: int = MAX_DRAFT_LEN, own_length: bool = False) -> Acceptance:
+        return cls(tuple(rate ** (i + 1) for i in range(length)), (weight,) * length, own_length=own_length,
+                   proposed=(1.0,) * length if own_length else None)
 
     def update(self, counts: AcceptanceCounts) -> Acceptance:
         """The posterior after `counts`: per position, (observed accepted + weight * prior) /
@@ -122,22 +133,32 @@ class Acceptance:
         # that proposed are counted per position (drafted[i]); those that stayed silent only in
         # total, so each proposal at i stands for steps / drafts asked steps. (Shadow tails add
         # position counts without steps: they share the rate of the steps that did count.)
+        # An own-length drafter was asked for every position on every step, so each step counts
+        # at every position.
         steps_per_draft = counts.num_steps / counts.num_drafts if counts.num_drafts else 1.0
         drafted, accepted = counts.drafted_per_position, counts.accepted_per_position
-        prefix, weight, floor = [], [], 1.0
+        prefix, weight, proposed, floor, reach = [], [], [], 1.0, 1.0
         for i, (p, w) in enumerate(zip(self.prefix, self.weight)):
             d = drafted[i] if i < len(drafted) else 0
             a = accepted[i] if i < len(accepted) else 0
-            n = d * steps_per_draft if counts.num_drafts else counts.num_steps  # asked steps behind i
+            if self.own_length:
+                n = max(counts.num_steps, d)
+            else:
+                n = d * steps_per_draft if counts.num_drafts else counts.num_steps  # asked steps behind i
             before = self.prefix[i - 1] if i else 1.0
             p = floor * p / before if before > 0 else p  # the prior's conditional rate, on the posterior so far
             q = (a + w * p) / (n + w) if n + w > 0 else p
             floor = min(floor, q)  # P(first i + 1 accepted) cannot exceed P(first i accepted)
             prefix.append(floor)
             weight.append(n + w)
+            if self.proposed is not None:
+                r = self.proposed[i]
+                reach = min(reach, (d + w * r) / (n + w) if n + w > 0 else r)
+                proposed.append(reach)
         steps = self.proposes_weight + counts.num_steps
         rate = (self.proposes * self.proposes_weight + counts.num_drafts) / steps if steps else self.proposes
-        return Acceptance(tuple(prefix), tuple(weight), min(1.0, rate), steps)
+        return replace(self, prefix=tuple(prefix), weight=tuple(weight), proposes=min(1.0, rate),
+                       proposes_weight=steps, proposed=tuple(proposed) if self.proposed is not None else None)
 
     def optimistic(self, c: float, total: float) -> Acceptance:
         """UCB: each position raised by c * sqrt(p (1 - p) ln(total + 1) / weight) + c / weight."""
@@ -158,8 +179,8 @@ class Acceptance:
         return replace(self, prefix=tuple(drawn))
 
 
-def prior_acceptance(dp: DomainPolicy, drafter: str, prior_steps: float) -> Acceptance:
-    return Acceptance.geometric(dp.priors.get(drafter, DEFAULT_PRIOR), prior_steps)
+def prior_acceptance(dp: DomainPolicy, drafter: str, prior_steps: float, own_length: bool = False) -> Acceptance:
+    return Acceptance.geometric(dp.priors.get(drafter, DEFAULT_PRIOR), prior_steps, own_length=own_length)
 
 
 def evidence(
@@ -203,11 +224,12 @@ class Plan:
 
 def decide(
     features: Features, snapshot: StatsSnapshot, policy: Policy, rng: random.Random,
-    prior_costs: CostTable | None = None, drafters: Sequence[str] | None = None,
+    prior_costs: CostTable | None = None, drafters: Sequence[str] | None = None, own_length: Collection[str] = (),
 ) -> Plan:
     """The plan of one request: the arm with the best exploration score, or plain decoding when
     no drafter's score reaches the domain's fallback threshold. `drafters` replaces the domain's
-    list (with what the engine has of it, or with the one drafter a request names)."""
+    list (with what the engine has of it, or with the one drafter a request names); `own_length`:
+    the drafters asked for every position on every step (Acceptance.own_length)."""
     dp = policy.domains[features.domain]
     allowed = list(dp.drafters if drafters is None else drafters)
     candidates = [d for d in allowed if d != PLAIN]
@@ -220,11 +242,11 @@ def decide(
     estimates, counts = {}, {}
     for name in candidates:
         counts[name] = evidence(snapshot, features.domain, name, bucket, policy.window.min_draft_tokens)
-        estimates[name] = prior_acceptance(dp, name, ex.min_samples).update(counts[name])
+        estimates[name] = prior_acceptance(dp, name, ex.min_samples, name in own_length).update(counts[name])
     total = sum(c.num_steps for c in counts.values()) + 1.0
     arms = []
     for name in candidates:
-        step_costs = costs.for_drafter(name, estimates[name].proposes)
+        step_costs = costs.for_estimate(name, estimates[name])
         mean = best_draft_len(estimates[name].prefix, step_costs, dp.k_min, dp.k_max)
         explored = (estimates[name].optimistic(ex.ucb_c, total) if ex.method == "ucb"
                     else estimates[name].sample(rng))
@@ -307,8 +329,8 @@ class StepController:
         self.adaptive = adaptive and bool(plan.estimates)  # a plan without estimates has one arm
         self.costs = plan.costs or CostTable.relative()
         self.fallback_allowed = allow_plain and PLAIN in dp.drafters
-        self._prior = {name: Acceptance(est.prefix, tuple(min(w, REQUEST_PRIOR_STEPS) for w in est.weight),
-                                        est.proposes, min(est.proposes_weight, REQUEST_PRIOR_STEPS))
+        self._prior = {name: replace(est, weight=tuple(min(w, REQUEST_PRIOR_STEPS) for w in est.weight),
+                                     proposes_weight=min(est.proposes_weight, REQUEST_PRIOR_STEPS))
                        for name, est in plan.estimates.items()}
         self._local = {name: _Local() for name in self._prior}
         self._disabled: set[str] = set()
@@ -336,7 +358,7 @@ class StepController:
             if name in self._disabled:
                 continue
             est = self.estimate(name)
-            costs = self.costs.for_drafter(name, est.proposes)
+            costs = self.costs.for_estimate(name, est)
             best = best_draft_len(est.prefix, costs, self.dp.k_min, self.dp.k_max, self.load)
             if best.draft_len == 0 and not self.fallback_allowed:  # no plain to fall back to: draft least
                 best = BestDraftLen(self.dp.k_min, predicted_speedup(est.prefix, self.dp.k_min, costs, self.load))
@@ -390,7 +412,9 @@ class StepController:
             if est.proposes <= 0:
                 continue
             given = tuple(min(1.0, p / est.proposes) for p in est.prefix)
-            arm = best_draft_len(given, self.costs.for_drafter(name), self.dp.k_min, self.dp.k_max, self.load)
+            reach = None if est.proposed is None else tuple(min(1.0, r / est.proposes) for r in est.proposed)
+            arm = best_draft_len(given, self.costs.for_drafter(name, 1.0, reach), self.dp.k_min, self.dp.k_max,
+                                 self.load)
             if arm.draft_len and (best is None or arm.speedup > best[1].speedup):
                 best = (name, arm)
         if best is None:
@@ -445,7 +469,7 @@ class ArmOutlook:
 
 
 def outlook(snapshot: StatsSnapshot, policy: Policy, prior_costs: CostTable | None = None,
-            drafters: Iterable[str] | None = None) -> list[ArmOutlook]:
+            drafters: Iterable[str] | None = None, own_length: Collection[str] = ()) -> list[ArmOutlook]:
     """The estimate `decide` ranks by, without exploration, for every domain and drafter of the
     policy (that the engine has, when `drafters` is given), over all context lengths."""
     have = None if drafters is None else set(drafters)
@@ -454,8 +478,9 @@ def outlook(snapshot: StatsSnapshot, policy: Policy, prior_costs: CostTable | No
         names = [d for d in dp.drafters if d != PLAIN and (have is None or d in have)]
         costs = cost_table(snapshot, context_bucket(0), prior_costs, names)
         for name in names:
-            est = prior_acceptance(dp, name, policy.exploration.min_samples).update(snapshot.evidence(domain, name))
-            best = best_draft_len(est.prefix, costs.for_drafter(name, est.proposes), dp.k_min, dp.k_max)
+            est = prior_acceptance(dp, name, policy.exploration.min_samples, name in own_length).update(
+                snapshot.evidence(domain, name))
+            best = best_draft_len(est.prefix, costs.for_estimate(name, est), dp.k_min, dp.k_max)
             out.append(ArmOutlook(domain, name, best.draft_len, best.speedup, est.prefix[: dp.k_max]))
     return out
 

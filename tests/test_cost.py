@@ -113,3 +113,17 @@ def test_under_load_drafting_pays_iff_its_marginal_rate_beats_the_rounds() -> No
     weak = prefix_acceptance([0.15] * 16)
     assert best_draft_len(weak, COSTS, 1, 16, load).draft_len == 0  # turned down: plain
     assert best_draft_len(weak, COSTS, 1, 16).draft_len == 1  # alone it drafts
+
+
+def test_a_drafter_that_proposes_short_is_priced_by_the_positions_it_proposes() -> None:
+    """Prompt lookup asked for k verifies position i only on the steps it proposes that far."""
+    t = COSTS.verify_s
+    short = StepCosts(plain_s=0.04, draft_s_per_token=0.0, verify_s=t, propose_rates=[1.0, 0.5, 0.25, 0.0])
+    assert short.step_s(2) == pytest.approx(t[0] + (t[1] - t[0]) + 0.5 * (t[2] - t[1]))
+    assert short.step_s(6) == pytest.approx(0.04 * (1 + 0.1 * 1.75)) == pytest.approx(short.step_s(3))
+    # rates that rise are read as non-increasing: a position needs the ones before it
+    assert StepCosts(0.04, 0.0, t, propose_rates=[0.5, 1.0]).step_s(2) == pytest.approx(0.04 * (1 + 0.1 * 1.0))
+    # all k or nothing, as a trained drafter proposes: the same as one propose rate
+    m = 0.4
+    assert StepCosts(0.04, 0.0, t, propose_rates=[m] * 16).step_s(5) == pytest.approx(
+        StepCosts(0.04, 0.0, t, propose_rate=m).step_s(5)) == pytest.approx(m * t[5] + (1 - m) * t[0])

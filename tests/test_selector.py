@@ -815,3 +815,30 @@ def test_cheap_first_offers_prompt_lookup_where_it_proposes_well() -> None:
     assert off.next().first_drafter is None  # the plan's step
     off.observe("a", 2, 1)
     assert off.next() == StepChoice("c", 8, SWITCH, pytest.approx(2.5, abs=0.1))  # c alone, silent steps plain
+
+
+def test_an_own_length_drafter_is_priced_by_how_far_it_proposes() -> None:
+    """c, asked for every position on every step (a cheap drafter scored as a shadow), proposes
+    and lands 8 tokens on one step in four and 1 wrong token on the others. A step asking k = 8
+    verifies 8 rows only on the first kind: read so, the estimate is close to the truth; read as a
+    drafter that proposes all it is asked or nothing, the long step looks dearer than it is."""
+    policy = make_policy(("c", PLAIN), priors={"c": 0.3}, ucb_c=0.0, k_max=12)
+    records = [ShadowRecord(DOMAIN, "c", CTX, 0, proposed, accepted)
+               for _ in range(50) for proposed, accepted in ((8, 8), (1, 0), (1, 0), (1, 0))]
+    snapshot = snapshot_of(records)
+    truth = (1 + 8 * 0.25) / (0.25 * VERIFY_S[8] + 0.75 * VERIFY_S[1])
+    own = decide(Features(DOMAIN, CTX), snapshot, policy, random.Random(0), prior_costs=COSTS, own_length=("c",))
+    assert (own.drafter, own.draft_len) == ("c", 8)
+    assert own.predicted_speedup == pytest.approx(truth, rel=0.1)  # the prior still weighs 20 steps
+    est = own.estimates["c"]
+    assert est.own_length and est.proposed is not None
+    assert est.proposed[0] == pytest.approx(1.0) and est.proposed[1] == pytest.approx(0.25, abs=0.1)
+    assert est.prefix[7] == pytest.approx(0.25, abs=0.03) and est.prefix[8] < 0.01
+    blind = decide(Features(DOMAIN, CTX), snapshot, policy, random.Random(0), prior_costs=COSTS)
+    assert blind.predicted_speedup < 0.8 * truth
+    # the request's controller keeps reading it so
+    ctl = StepController(own, policy.domains[DOMAIN], policy.exploration, ("c",))
+    ctl.next()
+    for proposed, accepted in ((8, 8), (1, 0), (1, 0), (1, 0)):
+        ctl.observe_shadow("c", 0, proposed, accepted)
+    assert ctl.next() == StepChoice("c", 8, BEST, pytest.approx(truth, rel=0.1))

@@ -183,6 +183,10 @@ class Router:
         if (sizes := tree_sizes(engine)):  # the policy must know what a tree step verifies
             costs = replace(costs or CostTable.relative(), tree_sizes=sizes)
         self.costs = costs
+        # cheap chain drafters are asked for max_draft_len on every step they are scored (shadows):
+        # their statistics say how far they propose (policies/selector.py, Acceptance.own_length)
+        self.own_length = frozenset(name for name, d in engine.drafters.items()
+                                    if d.cheap and getattr(getattr(d, "config", None), "tree", None) is None)
         self.batch_cost = batch_cost or relative_batch_cost(costs or CostTable.relative())
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -294,7 +298,7 @@ class Router:
                 candidates = [drafter]
             snapshot = self.store.snapshot(window_s=policy.window.seconds)  # I/O with Redis: outside the lock
             with self._lock:  # one rng, shared: draws in request order
-                plan = decide(features, snapshot, policy, self._rng, self.costs, candidates)
+                plan = decide(features, snapshot, policy, self._rng, self.costs, candidates, self.own_length)
             if k is not None:  # the policy picks the drafter; the request fixed k
                 plan = forced_plan(domain, plan.drafter, k) if plan.drafter != PLAIN else plan
             elif drafter != AUTO:
@@ -359,7 +363,7 @@ class RoutedGeneration:
             return None
         est, costs = self.controller.estimate(name), self.controller.costs
         return DraftOption(est.prefix, k, costs.draft_s_per_token.get(name, 0.0), est.proposes,
-                           costs.tree_sizes.get(name))
+                           costs.tree_sizes.get(name), est.proposed)
 
     def observe(self, choice: StepChoice, stats: StepStats) -> None:
         """Account a step that ran `choice`: the controller's estimates, the records, the schedule."""
