@@ -273,15 +273,22 @@ def forced_plan(domain: str, drafter: str, draft_len: int) -> Plan:
 # -- the per-request controller ------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class FirstTry:
+    """A cheap drafter the engine asks before the step's drafter (DomainPolicy.cheap_first): its
+    draft of up to `draft_len` tokens takes the step when it proposes any."""
+
+    drafter: str
+    draft_len: int
+
+
+@dataclass(frozen=True)
 class StepChoice:
     drafter: str
     draft_len: int
     reason: str  # the plan's reason on the first step; then BEST, SWITCH, FALLBACK, RECOVER, PROBE
     predicted_speedup: float
-    # a cheap drafter the engine tries first (DomainPolicy.cheap_first): its draft of first_len
-    # tokens takes the step when it proposes any; None: none
-    first_drafter: str | None = None
-    first_len: int = 0
+    # cheap drafters tried in order before `drafter`: the first that proposes takes the step
+    first: tuple[FirstTry, ...] = ()
 
 
 @dataclass
@@ -400,11 +407,12 @@ class StepController:
         return StepChoice(PLAIN, 0, FALLBACK if self.fallbacks else self.plan.reason, 1.0)
 
     def _with_cheap_first(self, choice: StepChoice) -> StepChoice:
-        """Prompt lookup proposes on some steps only, and well on those: the cheap drafter whose
-        acceptance given a proposal (its estimate over its propose rate) predicts the best step
-        is tried first when that beats what runs otherwise. What runs otherwise: the choice, or
-        for a cheap choice the best other drafter that beats the fallback threshold (else plain)."""
-        best: tuple[str, BestDraftLen] | None = None
+        """Prompt lookup proposes on some steps only, and well on those: every cheap drafter whose
+        acceptance given a proposal (its estimate over its propose rate) predicts a better step
+        than what runs otherwise is tried first, the best first, so a step one of them has
+        nothing for falls through to the next. What runs otherwise: the choice, or for a cheap
+        choice the best other drafter that beats the fallback threshold (else plain)."""
+        given_arms: list[tuple[str, BestDraftLen]] = []
         for name in sorted(self.cheap):
             if name not in self._prior or name in self._disabled:
                 continue
@@ -415,9 +423,9 @@ class StepController:
             reach = None if est.proposed is None else tuple(min(1.0, r / est.proposes) for r in est.proposed)
             arm = best_draft_len(given, self.costs.for_drafter(name, 1.0, reach), self.dp.k_min, self.dp.k_max,
                                  self.load)
-            if arm.draft_len and (best is None or arm.speedup > best[1].speedup):
-                best = (name, arm)
-        if best is None:
+            if arm.draft_len:
+                given_arms.append((name, arm))
+        if not given_arms:
             return choice
         otherwise = choice
         if choice.drafter in self.cheap:
@@ -427,9 +435,11 @@ class StepController:
                          if others else StepChoice(PLAIN, 0, choice.reason, 1.0))
         bar = (otherwise.predicted_speedup if otherwise.drafter != PLAIN
                else self.dp.fallback_threshold + self.dp.hysteresis)
-        if best[1].speedup <= bar:
+        tries = tuple(FirstTry(name, arm.draft_len)
+                      for name, arm in sorted(given_arms, key=lambda a: -a[1].speedup) if arm.speedup > bar)
+        if not tries:
             return choice
-        return replace(otherwise, first_drafter=best[0], first_len=best[1].draft_len)
+        return replace(otherwise, first=tries)
 
     def _to_plain(self, reason: str | None) -> StepChoice:
         self.plain = True
@@ -442,7 +452,7 @@ class StepController:
         """A real step's outcome. A step that used another drafter than chosen (the engine
         dropped a failing drafter) disables the chosen one for the rest of the request."""
         chosen = self.current.drafter
-        if drafter == self.current.first_drafter:  # the cheap drafter proposed and took the step
+        if any(t.drafter == drafter for t in self.current.first):  # a cheap drafter proposed and took the step
             chosen = drafter
         if chosen != PLAIN and drafter != chosen and chosen not in self._disabled:
             self._disabled.add(chosen)

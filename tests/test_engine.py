@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers import TwoTokenCase
 
+from policies.selector import FirstTry
 from workers.config import EngineConfig, ModelConfig, ModelDrafterConfig, NgramDrafterConfig
 from workers.drafters.base import Draft, DraftContext
 from workers.drafters.model import ModelDrafter
@@ -536,19 +537,28 @@ def test_a_cheap_drafter_tried_first_takes_only_the_steps_it_proposes_on(
     greedy output stays plain decoding's, and a silent lookup is still scored as a shadow."""
     repeat = prompts[-1]  # ends with "one two": lookup proposes at once
     gen = engine.start(repeat, greedy(8))
-    stats = gen.step("perturbed", 3, shadow=("ngram",), first="ngram", first_len=2)
+    stats = gen.step("perturbed", 3, shadow=("ngram",), first=[FirstTry("ngram", 2)])
     assert stats.drafter == "ngram" and stats.draft_len == 2 and 1 <= stats.num_draft_tokens <= 2
     gen.close()
     novel = engine.encode("Zebra quantum", chat=False)  # nothing to look up
     gen = engine.start(novel, greedy(8))
-    stats = gen.step("perturbed", 3, shadow=("ngram",), first="ngram", first_len=2)
+    stats = gen.step("perturbed", 3, shadow=("ngram",), first=[FirstTry("ngram", 2)])
     assert stats.drafter == "perturbed" and stats.num_draft_tokens == 3
     assert [(s.drafter, s.num_proposed) for s in stats.shadows] == [("ngram", 0)]  # the silent step counts
+    gen.close()
+    # a silent first try falls through to the next one, and only then to the step's drafter
+    gen = engine.start(novel, greedy(8))
+    stats = gen.step("perturbed", 3, shadow=("ngram",), first=[FirstTry("ngram", 2), FirstTry("self", 2)])
+    assert stats.drafter == "self" and stats.draft_len == 2 and stats.num_draft_tokens == 2
+    assert [(s.drafter, s.num_proposed) for s in stats.shadows] == [("ngram", 0)]
+    gen.close()
+    gen = engine.start(repeat, greedy(8))
+    assert gen.step("perturbed", 3, first=[FirstTry("ngram", 2), FirstTry("self", 2)]).drafter == "ngram"
     gen.close()
     for prompt in prompts:
         gen = engine.start(prompt, greedy(60))
         while not gen.finished:
-            gen.step("perturbed", 3, shadow=("ngram",), first="ngram", first_len=4)
+            gen.step("perturbed", 3, shadow=("ngram",), first=[FirstTry("ngram", 4)])
         result = gen.result()
         gen.close()
         assert_same_output(result, plain(engine, prompt, greedy(60)))

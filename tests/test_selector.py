@@ -38,6 +38,7 @@ from policies.selector import (
     Acceptance,
     CostTable,
     Features,
+    FirstTry,
     Plan,
     StepChoice,
     StepController,
@@ -804,15 +805,15 @@ def test_cheap_first_offers_prompt_lookup_where_it_proposes_well() -> None:
 
     ctl = controller(True)
     choice = ctl.next()
-    assert choice.drafter == "a" and choice.first_drafter == "c" and choice.first_len == 8, choice
-    ctl.observe("c", choice.first_len, choice.first_len)  # c proposed and ran the step: a stays usable
+    assert choice.drafter == "a" and choice.first == (FirstTry("c", 8),), choice
+    ctl.observe("c", 8, 8)  # c proposed and ran the step: a stays usable
     assert ctl.next().drafter == "a" and "a" not in ctl._disabled
     ctl.observe("a", 2, 1)
     alone = controller(True, ("c", PLAIN))
     choice = alone.next()
-    assert (choice.drafter, choice.first_drafter) == (PLAIN, "c"), choice
+    assert (choice.drafter, choice.first) == (PLAIN, (FirstTry("c", 8),)), choice
     off = controller(False)
-    assert off.next().first_drafter is None  # the plan's step
+    assert off.next().first == ()  # the plan's step
     off.observe("a", 2, 1)
     assert off.next() == StepChoice("c", 8, SWITCH, pytest.approx(2.5, abs=0.1))  # c alone, silent steps plain
 
@@ -842,3 +843,22 @@ def test_an_own_length_drafter_is_priced_by_how_far_it_proposes() -> None:
     for proposed, accepted in ((8, 8), (1, 0), (1, 0), (1, 0)):
         ctl.observe_shadow("c", 0, proposed, accepted)
     assert ctl.next() == StepChoice("c", 8, BEST, pytest.approx(truth, rel=0.1))
+
+
+def test_cheap_first_falls_through_every_cheap_drafter_that_beats_the_step() -> None:
+    """Two cheap drafters, each silent on some steps: both are tried before a, the one that
+    lands more given a proposal first; one that would not beat a given a proposal is not tried."""
+    costs = CostTable(VERIFY_S, {"a": 0.1, "c": 0.0, "e": 0.0})
+    ctl = start(("a", "c", "e", PLAIN), {"a": 0.5, "c": 0.2, "e": 0.2}, costs=costs, cheap=("c", "e"),
+                cheap_first=True)
+    for _ in range(30):
+        for hit in (0, 0, 0, SHADOW_LEN):  # c: silent 3 steps in 4, 8 of 8 otherwise
+            ctl.observe_shadow("c", 0, hit, hit)
+        for proposed, hit in ((0, 0), (4, 3), (4, 3), (4, 3)):  # e: proposes more often, lands less
+            ctl.observe_shadow("e", 0, proposed, hit)
+    choice = ctl.next()
+    assert choice.drafter == "a" and [t.drafter for t in choice.first] == ["c", "e"], choice
+    assert choice.first[0].draft_len == 8 and 1 <= choice.first[1].draft_len <= 4
+    for _ in range(1000):
+        ctl.observe_shadow("e", 0, 4, 0)  # e stops landing: no longer worth a try
+    assert [t.drafter for t in ctl.next().first] == ["c"]

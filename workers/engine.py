@@ -16,12 +16,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
+from policies.selector import FirstTry
 from workers.config import PLAIN, EngineConfig
 from workers.drafters.base import Draft, DraftContext, Drafter, LogitsReader, TrafficLearner
 from workers.drafters.registry import build_drafters
@@ -95,14 +96,13 @@ class _PendingShadow:
 
 @dataclass(frozen=True)
 class StepOrder:
-    """What one step runs: the drafter and k, the cheap drafters scored alongside, and a cheap
-    drafter tried first (see `Generation.prepare`)."""
+    """What one step runs: the drafter and k, the cheap drafters scored alongside, and cheap
+    drafters tried first (see `Generation.prepare`)."""
 
     drafter: str = PLAIN
     draft_len: int = 0
     shadow: tuple[str, ...] = ()
-    first: str | None = None
-    first_len: int = 0
+    first: tuple[FirstTry, ...] = ()
 
 
 @dataclass
@@ -224,11 +224,10 @@ class Generation:
         return self.num_prompt - 1 - self.num_prefilled
 
     def step(
-        self, drafter: str = PLAIN, k: int = 0, shadow: Collection[str] = (), first: str | None = None,
-        first_len: int = 0,
+        self, drafter: str = PLAIN, k: int = 0, shadow: Collection[str] = (), first: Sequence[FirstTry] = (),
     ) -> StepStats:
         """One step of this request alone: `prepare`, one target forward, `complete`."""
-        prepared = self.prepare(StepOrder(drafter, k, tuple(shadow), first, first_len))
+        prepared = self.prepare(StepOrder(drafter, k, tuple(shadow), tuple(first)))
         t1 = time.perf_counter()
         out = self.model.forward(prepared.input_ids, self.cache, return_hidden=self.with_hidden, tree=prepared.tree)
         return self.complete(prepared, out, time.perf_counter() - t1)
@@ -242,15 +241,15 @@ class Generation:
         max_draft_len tokens here, scored against the tokens the target emits (StepStats.shadows,
         once decided). For the drafter itself only the positions past its real draft are scored.
 
-        `order.first`: a cheap drafter tried before the drafter; when it proposes, its first
-        `first_len` tokens are the step's draft (StepStats.drafter says which drafter drafted)."""
+        `order.first`: cheap drafters tried in order before the drafter; the first that proposes
+        drafts the step with up to its `draft_len` tokens (StepStats.drafter says which drafted)."""
         if self.finished:
             raise RuntimeError("step() on a finished generation")
         if self.cache is None or self.num_to_prefill:
             raise RuntimeError("step() before the prompt is prefilled")
-        drafter, first, shadow = order.drafter, order.first, order.shadow
-        for name in (drafter, first):
-            if name not in (PLAIN, None) and name not in self.engine.drafters:
+        drafter, shadow = order.drafter, order.shadow
+        for name in (drafter, *(t.drafter for t in order.first)):
+            if name != PLAIN and name not in self.engine.drafters:
                 raise RequestError(f"unknown drafter {name!r}", "drafter")
         k = self._clip(order.draft_len)
         fallback = None
@@ -258,24 +257,30 @@ class Generation:
             drafter, fallback = PLAIN, "drafter_error"
         if k == 0:
             drafter = PLAIN
-        first_len = self._clip(order.first_len) if first is not None and first not in self._broken else 0
+        first = [(t.drafter, n) for t in order.first
+                 if t.drafter not in self._broken and (n := self._clip(t.draft_len))]
         context_len = len(self.ctx.token_ids)
-        for name in shadow:
-            if name != drafter and not (name == first and first_len):
-                self._shadow(name, context_len, 0)
 
         t0 = time.perf_counter()
         draft = None
-        if first is not None and first_len:
-            lead = self._propose(first, first_len, shadow, context_len)
+        asked: set[str] = set()  # the drafters that proposed (or were asked to) for this step
+        for name, n in first:
+            asked.add(name)
+            lead = self._propose(name, n, shadow, context_len)
             if lead is not None and lead.token_ids.numel():
-                drafter, k, draft, fallback = first, first_len, lead, None
-            elif lead is not None and first in shadow:  # proposed nothing: a silent step of its own
-                self._pending.append(_PendingShadow(first, context_len, 0, []))
+                drafter, k, draft, fallback = name, n, lead, None
+                break
+            if lead is not None and name in shadow:  # proposed nothing: a silent step of its own
+                self._pending.append(_PendingShadow(name, context_len, 0, []))
         if draft is None and drafter != PLAIN:
+            asked.add(drafter)
             draft = self._propose(drafter, k, shadow, context_len)
             if draft is None:
                 drafter, fallback = PLAIN, "drafter_error"
+        draft_s = time.perf_counter() - t0
+        for name in shadow:  # the cheap drafters this step did not ask are scored all the same
+            if name not in asked:
+                self._shadow(name, context_len, 0)
         draft_ids = draft.token_ids.to(self.device) if draft is not None else self._no_draft
         tree = draft.tree if draft is not None else None
         if tree is not None and len(tree) >= (room := self.cache.capacity - self.cache.length):
@@ -283,7 +288,7 @@ class Generation:
         return PreparedStep(
             drafter=drafter, draft_len=k, draft_ids=draft_ids, draft_probs=draft.probs if draft is not None else None,
             tree=tree, input_ids=torch.cat([self._last_token(), draft_ids]), start=self.cache.length,
-            context_len=context_len, fallback_reason=fallback, draft_s=time.perf_counter() - t0,
+            context_len=context_len, fallback_reason=fallback, draft_s=draft_s,
         )
 
     def complete(self, prepared: PreparedStep, out: ForwardOutput, forward_s: float) -> StepStats:

@@ -341,7 +341,7 @@ class RoutedGeneration:
         with this one (step by step, without batching)."""
         choice = self.choose(load)
         order = self.order(choice)
-        stats = self.gen.step(order.drafter, order.draft_len, order.shadow, order.first, order.first_len)
+        stats = self.gen.step(order.drafter, order.draft_len, order.shadow, order.first)
         self.observe(choice, stats)
         return stats
 
@@ -352,13 +352,13 @@ class RoutedGeneration:
 
     def order(self, choice: StepChoice) -> StepOrder:
         """What the engine runs for a choice: the domain's cheap drafters are scored alongside."""
-        return StepOrder(choice.drafter, choice.draft_len, self.shadow, choice.first_drafter, choice.first_len)
+        return StepOrder(choice.drafter, choice.draft_len, self.shadow, choice.first)
 
     def draft_option(self, choice: StepChoice) -> DraftOption | None:
         """The choice as the batch's goodput rule prices it; None where the rule has no say: a
         plain step, or a request that fixed its drafter and k."""
-        name = choice.first_drafter or choice.drafter
-        k = choice.first_len if choice.first_drafter else choice.draft_len
+        name, k = ((choice.first[0].drafter, choice.first[0].draft_len) if choice.first
+                   else (choice.drafter, choice.draft_len))
         if name == PLAIN or k == 0 or not self.controller.adaptive or not self.controller.knows(name):
             return None
         est, costs = self.controller.estimate(name), self.controller.costs
@@ -375,8 +375,9 @@ class RoutedGeneration:
             self._records.append(ShadowRecord.from_score(self.domain, score))
         if self._ttft_s is None:
             self._ttft_s = time.perf_counter() - self._t0
-        if stats.drafter == choice.first_drafter:  # the cheap drafter proposed: it ran the step
-            self._extend_schedule(stats.drafter, choice.first_len)
+        tried = {t.drafter: t.draft_len for t in choice.first}
+        if stats.drafter in tried:  # a cheap drafter tried first proposed: it ran the step
+            self._extend_schedule(stats.drafter, tried[stats.drafter])
         else:
             self._extend_schedule(choice.drafter, choice.draft_len)
         if self.finished:
@@ -527,7 +528,8 @@ def _capped(choice: StepChoice, k: int) -> StepChoice:
     """A choice drafting at most k tokens (k = 0: a plain step)."""
     if k == 0:
         return StepChoice(PLAIN, 0, choice.reason, 1.0)
-    return replace(choice, draft_len=min(choice.draft_len, k), first_len=min(choice.first_len, k))
+    return replace(choice, draft_len=min(choice.draft_len, k),
+                   first=tuple(replace(t, draft_len=min(t.draft_len, k)) for t in choice.first))
 
 
 def _mtime_ns(path: Path) -> int | None:
