@@ -74,12 +74,20 @@ class StepCosts:
     def step_s(self, k: int) -> float:
         if not 0 <= k <= self.max_k:
             raise ValueError(f"no verify cost for k = {k} (known up to {self.max_k})")
+        return self.steps_s(k)[k]
+
+    def steps_s(self, top: int) -> list[float]:
+        """step_s(k) for k = 0..top, in one pass (the router prices every k of every drafter
+        before each step)."""
+        plain, m = self.verify_s[0], self.propose_rate
         if self.verified is not None:  # a tree verifies all its nodes whenever it proposes
-            rows = [self.propose_rate] * self.verified[k]
-        else:
-            rows = position_rates(self.propose_rates, self.propose_rate, k)
-        verify = self.verify_s[0] + sum(r * (self.verify_cost(i + 1) - self.verify_cost(i)) for i, r in enumerate(rows))
-        return k * self.draft_s_per_token + verify
+            return [k * self.draft_s_per_token + plain + m * (self.verify_cost(self.verified[k]) - plain)
+                    for k in range(top + 1)]
+        out, verify = [plain], plain
+        for i, r in enumerate(position_rates(self.propose_rates, m, top)):
+            verify += r * (self.verify_cost(i + 1) - self.verify_cost(i))
+            out.append((i + 1) * self.draft_s_per_token + verify)
+        return out
 
 
 def position_rates(rates: Sequence[float] | None, rate: float, k: int) -> list[float]:
@@ -116,11 +124,14 @@ def predicted_speedup(prefix: Sequence[float], k: int, costs: StepCosts, load: R
     with the request decoding plainly (1.0 at k = 0); alone, the request's own speedup."""
     if k == 0:
         return 1.0
-    step_s = costs.step_s(k)
+    return _speedup(expected_tokens(prefix, k), costs.step_s(k), costs.plain_s, load)
+
+
+def _speedup(tokens: float, step_s: float, plain_s: float, load: RoundLoad) -> float:
     if step_s <= 0:
         return math.inf
-    e, c = expected_tokens(prefix, k), step_s / costs.plain_s
-    return (load.tokens + e) * (load.plain_steps + 1.0) / ((load.tokens + 1.0) * (load.plain_steps + c))
+    c = step_s / plain_s
+    return (load.tokens + tokens) * (load.plain_steps + 1.0) / ((load.tokens + 1.0) * (load.plain_steps + c))
 
 
 @dataclass(frozen=True)
@@ -133,8 +144,12 @@ def best_draft_len(prefix: Sequence[float], costs: StepCosts, k_min: int, k_max:
                    load: RoundLoad = ALONE) -> BestDraftLen:
     """The k in [k_min, k_max] with the highest predicted speedup; k = 0 (plain) when none beats 1."""
     best = BestDraftLen(0, 1.0)
-    for k in range(max(k_min, 1), min(k_max, costs.max_k) + 1):
-        speedup = predicted_speedup(prefix, k, costs, load)
-        if speedup > best.speedup:
+    top = min(k_max, costs.max_k)
+    if top < max(k_min, 1):
+        return best
+    steps_s, tokens = costs.steps_s(top), 1.0
+    for k in range(1, top + 1):
+        tokens += prefix[k - 1] if k <= len(prefix) else 0.0
+        if k >= k_min and (speedup := _speedup(tokens, steps_s[k], costs.plain_s, load)) > best.speedup:
             best = BestDraftLen(k, speedup)
     return best

@@ -340,6 +340,7 @@ class StepController:
                                      proposes_weight=min(est.proposes_weight, REQUEST_PRIOR_STEPS))
                        for name, est in plan.estimates.items()}
         self._local = {name: _Local() for name in self._prior}
+        self._estimates: dict[str, Acceptance] = {}  # of this step: observations clear it
         self._disabled: set[str] = set()
         self.current = StepChoice(plan.drafter, plan.draft_len, plan.reason, plan.predicted_speedup)
         self.plain = plan.drafter == PLAIN
@@ -356,7 +357,9 @@ class StepController:
         return drafter in self._prior
 
     def estimate(self, drafter: str) -> Acceptance:
-        return self._prior[drafter].update(self._local[drafter].counts())
+        if drafter not in self._estimates:
+            self._estimates[drafter] = self._prior[drafter].update(self._local[drafter].counts())
+        return self._estimates[drafter]
 
     def ranked(self) -> list[ArmValue]:
         """Every usable drafter at its best k, best first."""
@@ -459,10 +462,12 @@ class StepController:
             self.fallbacks.append(DRAFTER_ERROR)
         if drafter in self._local:
             self._local[drafter].add(0, num_proposed, num_accepted)
+            self._estimates.pop(drafter, None)
 
     def observe_shadow(self, drafter: str, start: int, num_proposed: int, num_accepted: int) -> None:
         if drafter in self._local:
             self._local[drafter].add(start, num_proposed, num_accepted)
+            self._estimates.pop(drafter, None)
 
 
 # -- reporting -----------------------------------------------------------------------------------
