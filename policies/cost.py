@@ -93,7 +93,7 @@ class StepCosts:
 def position_rates(rates: Sequence[float] | None, rate: float, k: int) -> list[float]:
     """P(a step asking k tokens verifies draft position i), i < k: `rates` kept non-increasing
     (past its end, its last value), or `rate` at every position when None."""
-    if rates is None or not rates:
+    if not rates:
         return [rate] * k
     out, floor = [], 1.0
     for i in range(k):

@@ -110,16 +110,21 @@ class Acceptance:
     weight: tuple[float, ...]
     proposes: float = 1.0  # P(a step asking this drafter gets a proposal at all)
     proposes_weight: float = 0.0  # steps behind `proposes` (the prior assumes it always proposes)
-    # a drafter the engine asks for max_draft_len on every step (the cheap ones, scored as shadows):
-    # its position counts are over every step, and `proposed` says how far it proposes
-    own_length: bool = False
-    # own_length: P(a step gets a token proposed at position i), non-increasing (the prior: always)
+    # of a drafter the engine asks for max_draft_len on every step (the cheap ones, scored as
+    # shadows): P(a step gets a token proposed at position i), non-increasing (the prior: always);
+    # None: a drafter that proposes all it is asked or nothing
     proposed: tuple[float, ...] | None = None
 
     @classmethod
     def geometric(cls, rate: float, weight: float, length: int = MAX_DRAFT_LEN, own_length: bool = False) -> Acceptance:
-        return cls(tuple(rate ** (i + 1) for i in range(length)), (weight,) * length, own_length=own_length,
+        return cls(tuple(rate ** (i + 1) for i in range(length)), (weight,) * length,
                    proposed=(1.0,) * length if own_length else None)
+
+    @property
+    def own_length(self) -> bool:
+        """Proposes as far as it can, asked for every position: its position counts are over
+        every step, and `proposed` says how far it reaches."""
+        return self.proposed is not None
 
     def update(self, counts: AcceptanceCounts) -> Acceptance:
         """The posterior after `counts`: per position, (observed accepted + weight * prior) /
@@ -151,14 +156,14 @@ class Acceptance:
             floor = min(floor, q)  # P(first i + 1 accepted) cannot exceed P(first i accepted)
             prefix.append(floor)
             weight.append(n + w)
-            if self.proposed is not None:
+            if self.own_length:
                 r = self.proposed[i]
                 reach = min(reach, (d + w * r) / (n + w) if n + w > 0 else r)
                 proposed.append(reach)
         steps = self.proposes_weight + counts.num_steps
         rate = (self.proposes * self.proposes_weight + counts.num_drafts) / steps if steps else self.proposes
         return replace(self, prefix=tuple(prefix), weight=tuple(weight), proposes=min(1.0, rate),
-                       proposes_weight=steps, proposed=tuple(proposed) if self.proposed is not None else None)
+                       proposes_weight=steps, proposed=tuple(proposed) if self.own_length else None)
 
     def optimistic(self, c: float, total: float) -> Acceptance:
         """UCB: each position raised by c * sqrt(p (1 - p) ln(total + 1) / weight) + c / weight."""

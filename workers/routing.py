@@ -185,8 +185,7 @@ class Router:
         self.costs = costs
         # cheap chain drafters are asked for max_draft_len on every step they are scored (shadows):
         # their statistics say how far they propose (policies/selector.py, Acceptance.own_length)
-        self.own_length = frozenset(name for name, d in engine.drafters.items()
-                                    if d.cheap and getattr(getattr(d, "config", None), "tree", None) is None)
+        self.own_length = frozenset(name for name, d in engine.drafters.items() if d.cheap and name not in sizes)
         self.batch_cost = batch_cost or relative_batch_cost(costs or CostTable.relative())
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
