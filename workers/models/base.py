@@ -23,6 +23,7 @@ class ModelInfo:
     hidden_size: int
     max_position: int  # positions the model was trained for
     eos_token_ids: frozenset[int]
+    kv_bytes_per_token: int = 0  # keys and values of one position over all layers (0: unknown)
 
 
 @dataclass

@@ -41,6 +41,7 @@ class HFCausalLM:
             hidden_size=cfg.hidden_size,
             max_position=getattr(cfg, "max_position_embeddings", 1 << 20),
             eos_token_ids=eos_token_ids,
+            kv_bytes_per_token=_kv_bytes_per_token(cfg, next(hf_model.parameters()).dtype),
         )
 
     def new_cache(self, capacity: int) -> HFKVCache:
@@ -72,3 +73,13 @@ class HFCausalLM:
         if return_hidden:
             hidden = out.hidden_states[-1][0]  # every position, as FastLlama
         return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)
+
+
+def _kv_bytes_per_token(cfg: object, dtype: torch.dtype) -> int:
+    """Keys and values of one position for a standard decoder config; 0 where it does not say."""
+    layers, heads = getattr(cfg, "num_hidden_layers", None), getattr(cfg, "num_attention_heads", None)
+    if not layers or not heads:
+        return 0
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads  # type: ignore[attr-defined]
+    return 2 * layers * kv_heads * head_dim * dtype.itemsize

@@ -13,10 +13,14 @@ with `quantized` weights the layer products run on a GGUF file's 4-bit blocks in
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import heapq
 import itertools
+import logging
 import math
+import mmap
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +32,8 @@ from transformers import PreTrainedModel
 from workers.models.base import ForwardOutput, ModelInfo, SeqInput, forward_each
 from workers.models.quant import Int4Linear, Int4Weight
 from workers.tree import DraftTree
+
+log = logging.getLogger(__name__)
 
 # rope types whose frequencies depend on the sequence length are left to transformers
 _STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
@@ -145,10 +151,31 @@ class KVPool:
         self._finite[cache.slot] = max(self._finite[cache.slot], end)
 
     def release(self, cache: StaticKVCache) -> None:
+        """Give the slot back, and its memory to the system: a slot keeps no pages once free, so
+        the pool's resident size follows what the running sequences hold, not its longest ever."""
         if cache.pool is not self or cache.slot in self._free:
             raise ValueError(f"slot {cache.slot} is not allocated from this pool")
+        for layer in range(self.k.shape[0]):
+            _drop_pages(self.k[layer, cache.slot])
+            _drop_pages(self.v[layer, cache.slot])
         heapq.heappush(self._free, cache.slot)
         cache.pool, cache._length = None, 0
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_MADV_DONTNEED = 4  # <sys/mman.h>: private anonymous pages are freed and read back as zeros
+
+
+def _drop_pages(t: torch.Tensor) -> None:
+    """Return the whole pages inside a contiguous CPU tensor to the system; it reads zeros after
+    (finite, so the pool's finite marks stay true). Elsewhere a no-op."""
+    if _LIBC is None or t.device.type != "cpu" or not t.is_contiguous():
+        return
+    page = mmap.PAGESIZE
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if end > start and _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED):
+        log.warning("madvise failed (errno %d): a freed KV slot keeps its pages", ctypes.get_errno())
 
 
 @dataclass
@@ -263,13 +290,15 @@ class FastLlama:
         if not supports(cfg):
             raise ValueError(f"FastLlama does not support {cfg.model_type} with this config")
         sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
-        # every row computed the same way whatever shares its forward (see _INVARIANT_MIN_QUERIES)
+        # every row computed the same way whatever shares its forward (see invariant_min_queries)
         self.batch_invariant = quantized is not None
         self.device = next(hf_model.parameters()).device
         self.dtype = next(hf_model.parameters()).dtype
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.min_queries = (invariant_min_queries(self.num_heads, self.head_dim, self.dtype, self.device)
+                            if self.batch_invariant else 1)
         self.eps = cfg.rms_norm_eps
 
         def product(*names: str) -> Linear | Int4Linear:  # one product over the weights stacked
@@ -298,6 +327,7 @@ class FastLlama:
             hidden_size=cfg.hidden_size,
             max_position=cfg.max_position_embeddings,
             eos_token_ids=eos_token_ids,
+            kv_bytes_per_token=2 * len(self.layers) * self.num_kv_heads * self.head_dim * self.dtype.itemsize,
         )
         # the model's own rotary module computed the frequencies for its rope type
         rotary = hf_model.model.rotary_emb
@@ -358,12 +388,12 @@ class FastLlama:
             cos, sin = self.cos[start:end, None], self.sin_signed[start:end, None]  # [n, 1, d]
         # new token i may see keys 0 .. start + i: plain causal on an empty cache (SDPA's fast
         # path), an explicit mask when a draft follows cached tokens, none for a single token;
-        # a row-invariant model always masks explicitly (see _INVARIANT_MIN_QUERIES)
+        # a row-invariant model always masks explicitly (see invariant_min_queries)
         if mask is None and (self.batch_invariant or (n > 1 and start > 0)):
             mask = torch.arange(end, device=self.device) <= torch.arange(start, end, device=self.device)[:, None]
         keys, pad = end, 0
-        if self.batch_invariant:  # whole key blocks (zeros past `end`, masked), >= 3 queries
-            keys, pad = min(_key_span(end), cache.capacity), max(0, _INVARIANT_MIN_QUERIES - n)
+        if self.batch_invariant:  # whole key blocks (zeros past `end`, masked), >= min_queries queries
+            keys, pad = min(_key_span(end), cache.capacity), max(0, self.min_queries - n)
             mask = F.pad(mask, (0, keys - end))
             mask = torch.cat([mask, mask[-1:].expand(pad, -1)])
         causal = n > 1 and mask is None
@@ -443,7 +473,7 @@ class FastLlama:
         rope = torch.cat([s.cache.length + (s.tree.input_offsets() if s.tree is not None else torch.arange(n))
                           for s, n in zip(batch, lens)]).to(dev)
         cos, sin = self.cos[rope, None], self.sin_signed[rope, None]  # [N, 1, d]
-        pad = {"min_queries": _INVARIANT_MIN_QUERIES, "max_keys": pool.capacity} if self.batch_invariant else {}
+        pad = {"min_queries": self.min_queries, "max_keys": pool.capacity} if self.batch_invariant else {}
         groups = [_AttnGroup.of([(batch[b], bounds[b]) for b in members], dev, **pad)
                   for members in _attention_groups(batch)]
         for g in groups:
@@ -483,13 +513,38 @@ class FastLlama:
 _Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # CPU SDPA computes a query row bit for bit the same whatever the call's other rows, batch and
-# masked key padding, when the mask is explicit, the call has at least 3 query rows (1-2 rows take
-# another path) and the keys come in whole blocks of 512 (it sums a row's scores block by block,
-# a shorter call in one block of its own length): measured on torch 2.13, tests/test_quant.py.
-# The quantized path relies on it: rounding each product's input to bfloat16 would turn
-# attention's float32 rounding differences into ~0.5-logit ones.
-_INVARIANT_MIN_QUERIES = 3
+# masked key padding, when the mask is explicit, the call has enough query rows (its products take
+# other kernels below a row count that depends on the CPU: 3 on one machine, 4 on another; see
+# invariant_min_queries) and the keys come in whole blocks of 512 (it sums a row's scores block by
+# block, a shorter call in one block of its own length): torch 2.13, tests/test_quant.py. The
+# quantized path relies on it: rounding each product's input to bfloat16 would turn attention's
+# float32 rounding differences into ~0.5-logit ones.
 _INVARIANT_KEY_BLOCK = 512
+_MIN_QUERY_CANDIDATES = (3, 4, 6, 8, 12, 16)
+_SPLIT_QUERIES = 32  # SDPA splits the queries of calls this short into one block
+
+
+@functools.cache
+def invariant_min_queries(num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The fewest query rows from which this machine's SDPA computes every row the same at any
+    row count (up to one query block): probed once per shape, on random data, in milliseconds."""
+    gen = torch.Generator().manual_seed(0)
+    keys = 2 * _INVARIANT_KEY_BLOCK
+    q, k, v = (torch.randn(1, num_heads, n, head_dim, generator=gen).to(device, dtype)
+               for n in (_SPLIT_QUERIES, keys, keys))
+    mask = torch.ones(_SPLIT_QUERIES, keys, dtype=torch.bool, device=device)
+    mask[:, keys - 100 :] = False  # masked padding keys, as the model's calls have
+
+    def rows(n: int, m: int) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q[:, :, :n], k, v, attn_mask=mask[:n])[:, :, :m]
+
+    for m in _MIN_QUERY_CANDIDATES:
+        first = rows(m, m)
+        if all(torch.equal(rows(n, m), first) for n in range(m + 1, _SPLIT_QUERIES + 1)):
+            return m
+    log.warning("SDPA rows differ with the call's row count up to %d rows: quantized outputs may differ "
+                "from plain decoding's beyond ties", _MIN_QUERY_CANDIDATES[-1])
+    return _MIN_QUERY_CANDIDATES[-1]
 
 
 def _key_span(end: int) -> int:

@@ -18,7 +18,7 @@ whatever else shares its forward. Rounding to bfloat16 would magnify any float32
     faster there than the int4 kernel, which grows with the rows, but it changes a row's result
     with the call's row count (a [576, 1536] product at 256 against 512 rows), never with the
     row's place or neighbours in a call of fixed size;
-  * attention: see workers/models/llama.py, _INVARIANT_MIN_QUERIES.
+  * attention: see workers/models/llama.py, invariant_min_queries.
 """
 
 from __future__ import annotations
