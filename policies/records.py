@@ -19,9 +19,10 @@ from typing import Any, Protocol
 PLAIN = "none"
 
 # Upper edges (exclusive) of the context-length buckets, and their labels; the last is open.
-# Acceptance falls on long contexts, so the policy sees statistics per bucket.
-CONTEXT_EDGES: tuple[int, ...] = (512, 1024, 2048)
-CONTEXT_BUCKETS: tuple[str, ...] = ("0-512", "512-1k", "1k-2k", "2k+")
+# Acceptance and step costs move with the context (drafters trained on short windows, attention
+# over more keys), so the policy keeps statistics and costs per bucket.
+CONTEXT_EDGES: tuple[int, ...] = (512, 1024, 2048, 4096)
+CONTEXT_BUCKETS: tuple[str, ...] = ("0-512", "512-1k", "1k-2k", "2k-4k", "4k+")
 
 
 def context_bucket(context_len: int) -> str:
@@ -30,6 +31,21 @@ def context_bucket(context_len: int) -> str:
         if context_len < edge:
             return label
     return CONTEXT_BUCKETS[-1]
+
+
+@dataclass(frozen=True)
+class ContextSpan:
+    """The steps of one request within one context bucket (a long request crosses several)."""
+
+    bucket: str
+    num_steps: int = 0
+    num_tokens: int = 0  # tokens emitted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def add(self, num_emitted: int, num_draft_tokens: int, num_accepted: int) -> ContextSpan:
+        return ContextSpan(self.bucket, self.num_steps + 1, self.num_tokens + num_emitted,
+                           self.num_draft_tokens + num_draft_tokens, self.num_accepted_tokens + num_accepted)
 
 
 class StepLike(Protocol):

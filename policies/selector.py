@@ -341,9 +341,7 @@ class StepController:
         self.adaptive = adaptive and bool(plan.estimates)  # a plan without estimates has one arm
         self.costs = plan.costs or CostTable.relative()
         self.fallback_allowed = allow_plain and PLAIN in dp.drafters
-        self._prior = {name: replace(est, weight=tuple(min(w, REQUEST_PRIOR_STEPS) for w in est.weight),
-                                     proposes_weight=min(est.proposes_weight, REQUEST_PRIOR_STEPS))
-                       for name, est in plan.estimates.items()}
+        self._prior = {name: _request_prior(est) for name, est in plan.estimates.items()}
         self._local = {name: _Local() for name in self._prior}
         self._estimates: dict[str, Acceptance] = {}  # of this step: observations clear it
         self._disabled: set[str] = set()
@@ -356,6 +354,17 @@ class StepController:
         self.trajectory: list[tuple[str, int]] = []  # (drafter, k) per step
         # the other requests of the replica (policies/cost.py), set before each step by the caller
         self.load: RoundLoad = ALONE
+
+    def rebase(self, plan: Plan) -> None:
+        """The request reached another context bucket: that bucket's global estimates and step
+        costs (`plan`, decided for it) become the prior; the request's own observations stay."""
+        if not self.adaptive:
+            return
+        self.costs = plan.costs or self.costs
+        for name, est in plan.estimates.items():
+            if name in self._prior:
+                self._prior[name] = _request_prior(est)
+        self._estimates.clear()
 
     def knows(self, drafter: str) -> bool:
         """Whether this request has an acceptance estimate for `drafter` (its plan's candidates)."""
@@ -473,6 +482,12 @@ class StepController:
         if drafter in self._local:
             self._local[drafter].add(start, num_proposed, num_accepted)
             self._estimates.pop(drafter, None)
+
+
+def _request_prior(estimate: Acceptance) -> Acceptance:
+    """A global estimate as one request's prior: worth at most REQUEST_PRIOR_STEPS steps."""
+    return replace(estimate, weight=tuple(min(w, REQUEST_PRIOR_STEPS) for w in estimate.weight),
+                   proposes_weight=min(estimate.proposes_weight, REQUEST_PRIOR_STEPS))
 
 
 # -- reporting -----------------------------------------------------------------------------------

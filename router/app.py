@@ -15,6 +15,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,7 @@ from router.schemas import (
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
+    ContextSpanInfo,
     ErrorBody,
     ErrorResponse,
     GenerationRequestBase,
@@ -287,6 +289,7 @@ def _speculation_info(stats: FinalStats) -> SpeculationInfo:
     return SpeculationInfo(
         domain=stats.domain, policy_version=stats.policy_version, reason=stats.reason,
         schedule=[list(segment) for segment in stats.schedule], fallbacks=stats.fallbacks,
+        context=[ContextSpanInfo(**asdict(span)) for span in stats.context],
         drafter=stats.drafter, draft_len=stats.draft_len, drafters=stats.drafters_used,
         num_steps=stats.num_steps, num_draft_tokens=stats.num_draft_tokens,
         num_accepted_tokens=stats.num_accepted_tokens,
@@ -316,6 +319,7 @@ class OpenAIIngress:
         self.worker = worker
         self.model_name = self.args.served_model_name
         self.created = int(time.time())
+        self._context_limit: int | None = None
         self.admin_token = self.args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
         guard.configure(self.args.max_request_bytes, self.args.retry_after_s,
                         self.args.api_key or os.environ.get(API_KEY_ENV))
@@ -328,8 +332,7 @@ class OpenAIIngress:
 
     @app.get("/v1/models")
     async def models(self) -> ModelList:
-        card = ModelCard(id=self.model_name, created=self.created,
-                         max_model_len=self.args.engine.target.max_model_len)
+        card = ModelCard(id=self.model_name, created=self.created, max_model_len=await self._max_model_len())
         return ModelList(data=[card])
 
     @app.post("/v1/completions", response_model=None)
@@ -432,11 +435,21 @@ class OpenAIIngress:
         return combine(observations)
 
     # -- helpers ------------------------------------------------------------------------------
-    def _request(self, body: GenerationRequestBase, prompt: str | list[dict[str, str]]) -> GenerateRequest:
+    async def _max_model_len(self) -> int:
+        """The engine's context limit (the model's positions, bounded by config and KV memory):
+        asked of a worker replica once; every replica runs the same config."""
+        if self._context_limit is None:
+            try:
+                self._context_limit = int(await self.worker.max_model_len.remote())
+            except Exception as e:
+                raise APIError(503, f"no worker replica answered max_model_len: {e!r}", type="internal_error") from None
+        return self._context_limit
+
+    async def _request(self, body: GenerationRequestBase, prompt: str | list[dict[str, str]]) -> GenerateRequest:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                                 f"'{self.model_name}'", "model", "model_not_found")
-        max_len = self.args.engine.target.max_model_len
+        max_len = await self._max_model_len()
         if body.num_max_tokens is not None and body.num_max_tokens >= max_len:
             field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
             raise APIError(400, f"{field}: {body.num_max_tokens} leaves no room for the prompt in this model's "
@@ -449,7 +462,7 @@ class OpenAIIngress:
         )
 
     async def _generate(self, body: GenerationRequestBase, prompt: str | list[dict[str, str]]) -> Chunk:
-        request = self._request(body, prompt)
+        request = await self._request(body, prompt)
         try:
             chunk: Chunk = await self.worker.generate.remote(request)
         except Exception as e:
@@ -462,7 +475,7 @@ class OpenAIIngress:
         self, body: GenerationRequestBase, prompt: str | list[dict[str, str]],
         make_chunk: Callable[..., BaseModel], first: BaseModel | None,
     ) -> StreamingResponse:
-        request = self._request(body, prompt)
+        request = await self._request(body, prompt)
         gen: DeploymentResponseGenerator = self.worker.options(stream=True).stream.remote(request)
         try:  # the first chunk before the response starts: a bad request is still a 400
             head: Chunk = await gen.__anext__()

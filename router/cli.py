@@ -146,6 +146,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "reason": report.reason,
         "schedule": [[s.drafter, s.draft_len, s.num_steps] for s in report.schedule],
         "fallbacks": list(report.fallbacks),
+        "context": [dataclasses.asdict(span) for span in report.context],
         "num_prompt_tokens": len(prompt_ids),
         "num_steps": result.num_steps,
         "num_draft_tokens": result.num_draft_tokens,

@@ -214,6 +214,16 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class ContextSpanInfo(BaseModel):
+    """The steps a request ran in one context bucket; a long request crosses several."""
+
+    bucket: str  # "0-512", "512-1k", "1k-2k", "2k-4k" or "4k+": tokens before the step
+    num_steps: int
+    num_tokens: int  # completion tokens emitted in the bucket
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
 class SpeculationInfo(BaseModel):
     """What ran for one request: the shape of vLLM's per-request speculative-decoding metrics plus
     the routing decision."""
@@ -225,6 +235,7 @@ class SpeculationInfo(BaseModel):
     draft_len: int  # the plan's k (0 for plain decoding)
     schedule: list[list[str | int]] = []  # [drafter, k, steps]: what each run of steps asked
     fallbacks: list[str] = []  # the reason of each switch to plain decoding
+    context: list[ContextSpanInfo] = []  # the steps per context bucket, in the order crossed
     drafters: list[str]  # drafters that actually proposed, in order of first use
     num_steps: int  # target forwards
     num_draft_tokens: int

@@ -31,7 +31,7 @@ def target_dir() -> Path:
 
 
 def write_tiny_llama(out: Path, tokenizer_dir: Path, *, seed: int, num_layers: int = 2, hidden: int = 64,
-                     init_std: float = 0.5) -> Path:
+                     init_std: float = 0.5, max_position: int = 2048) -> Path:
     """A random Llama with the real tokenizer's vocabulary. A large init_std makes its logits
     decisive, so greedy decoding has no near-ties that kernel rounding could flip."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -40,7 +40,7 @@ def write_tiny_llama(out: Path, tokenizer_dir: Path, *, seed: int, num_layers: i
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=init_std,
+        max_position_embeddings=max_position, tie_word_embeddings=True, initializer_range=init_std,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,
     )
@@ -54,6 +54,12 @@ def write_tiny_llama(out: Path, tokenizer_dir: Path, *, seed: int, num_layers: i
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, target_dir: Path) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-target"), target_dir, seed=0)
+
+
+@pytest.fixture(scope="session")
+def long_llama_dir(tmp_path_factory: pytest.TempPathFactory, target_dir: Path) -> Path:
+    """The tiny target with the shipped target's 8,192 positions, for long contexts."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-long"), target_dir, seed=0, max_position=8192)
 
 
 @pytest.fixture(scope="session")

@@ -238,7 +238,7 @@ def test_statistics_outweigh_the_prior_as_they_accrue(num_steps: int, low: float
 
 @pytest.mark.parametrize(("context_len", "min_draft_tokens", "source"), [
     (100, 64, "0-512"),  # 80 draft tokens in the bucket: its own statistics
-    (3000, 64, "2k+"),
+    (3000, 64, "2k-4k"),
     (700, 64, None),  # an empty bucket: all buckets
     (100, 80, "0-512"),  # exactly enough
     (100, 81, None),  # one short: all buckets
@@ -272,7 +272,7 @@ def plain_steps(seconds: float, n: int, ctx: int = CTX) -> list[Outcome]:
     (plain_steps(2.0, 3) + [step_record("b", 1, 1, CostTable(VERIFY_S_X2))] * 3
      + [StepRecord(DOMAIN, "b", 2, 2, 1, 0.0, 3.0, CTX)] * 3, CTX, 2.0, 3.0, 0.2),
     (plain_steps(2.0, 3) + [StepRecord(DOMAIN, "a", 1, 1, 1, 0.5, 2.15, CTX)] * 3, CTX, 2.0, 2.3, 0.5),  # a's draft
-    # per context bucket first: 3 samples of 2.0 s in 0-512, 3 of 4.0 s in 2k+
+    # per context bucket first: 3 samples of 2.0 s in 0-512, 3 of 4.0 s in 2k-4k
     (plain_steps(2.0, 3) + plain_steps(4.0, 3, ctx=3000), CTX, 2.0, 2.3, 0.2),
     (plain_steps(2.0, 3) + plain_steps(4.0, 3, ctx=3000), 3000, 4.0, 4.6, 0.4),
     (plain_steps(2.0, 3) + plain_steps(4.0, 3, ctx=3000), 700, 3.0, 3.45, 0.3),  # none in 512-1k: all buckets

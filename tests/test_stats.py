@@ -201,8 +201,8 @@ def test_a_tree_steps_verify_cost_counts_under_its_node_count(backend: Backend) 
 
 
 def test_context_buckets(backend: Backend) -> None:
-    assert [context_bucket(n) for n in (0, 511, 512, 1023, 1024, 2047, 2048, 10**6)] == [
-        "0-512", "0-512", "512-1k", "512-1k", "1k-2k", "1k-2k", "2k+", "2k+"]
+    assert [context_bucket(n) for n in (0, 511, 512, 1023, 1024, 2047, 2048, 4095, 4096, 10**6)] == [
+        "0-512", "0-512", "512-1k", "512-1k", "1k-2k", "1k-2k", "2k-4k", "2k-4k", "4k+", "4k+"]
     store = backend.new()
     store.record_many([
         step(k=2, accepted=2, verify_s=0.25, context_len=10),
@@ -211,11 +211,11 @@ def test_context_buckets(backend: Backend) -> None:
     ])
     snap = store.snapshot(window_s=60)
     assert snap.acceptance_by_position("code", "ngram", "0-512") == [1.0, 1.0]
-    assert snap.acceptance_by_position("code", "ngram", "2k+") == [0.5, 0.0]
+    assert snap.acceptance_by_position("code", "ngram", "2k-4k") == [0.5, 0.0]
     assert snap.acceptance_by_position("code", "ngram", "1k-2k") == []
     assert snap.acceptance_by_position("code", "ngram") == [2 / 3, 1 / 3]
-    assert snap.mean_verify_s(2, "0-512") == 0.25 and snap.mean_verify_s(2, "2k+") == 0.625
-    assert {b for _, _, b in snap.acceptance} == {"0-512", "2k+"} <= set(CONTEXT_BUCKETS)
+    assert snap.mean_verify_s(2, "0-512") == 0.25 and snap.mean_verify_s(2, "2k-4k") == 0.625
+    assert {b for _, _, b in snap.acceptance} == {"0-512", "2k-4k"} <= set(CONTEXT_BUCKETS)
 
 
 def test_window_and_all_time(backend: Backend) -> None:

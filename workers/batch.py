@@ -1,7 +1,9 @@
 """Continuous batching: every running request advances in one target forward per step.
 
 A `BatchEngine` keeps two queues, as vLLM's scheduler does. `waiting` requests hold no memory;
-a request is admitted to `running` when a KV slot of the pool is free (`max_num_seqs` slots).
+a request is admitted to `running`, first come first served, when a KV slot of the pool is free
+(`max_num_seqs` slots) and the KV memory (`kv_cache_gib`) holds its prompt + max_tokens positions
+besides what the running requests hold: a long request waits for room, it never fails for it.
 Each step then:
   1. every running request that has its prompt in the cache prepares its step (its drafter
      proposes [last token + draft], k = 0 for plain decoding), each with its own drafter and k;
@@ -56,14 +58,23 @@ class BatchEngine:
         model = engine.target.model
         # a model without a pooled, batched forward (the transformers backend) runs each request's
         # rows in its own forward, still one step for all
-        self.pool = (model.new_pool(self.config.max_num_seqs, engine.max_model_len)
-                     if hasattr(model, "new_pool") else None)
+        self.kv_cache_tokens = engine.kv_cache_tokens
+        num_slots = self.config.max_num_seqs
+        if self.kv_cache_tokens is not None and model.device.type != "cpu":
+            # an accelerator's pool is allocated whole (a CPU's is mapped as it is written)
+            num_slots = max(1, min(num_slots, self.kv_cache_tokens // engine.max_model_len))
+        self.pool = model.new_pool(num_slots, engine.max_model_len) if hasattr(model, "new_pool") else None
         self.waiting: deque[Generation] = deque()
         self.running: list[Generation] = []
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    @property
+    def num_reserved_tokens(self) -> int:
+        """KV positions the running requests hold: prompt + max_tokens each."""
+        return sum(g.ctx.max_len for g in self.running)
 
     def add(self, prompt_ids: list[int], params: SamplingParams,
             on_step: Callable[[StepStats], None] | None = None, domain: str | None = None) -> Generation:
@@ -144,10 +155,12 @@ class BatchEngine:
         out.failed.append((gen, error))
 
     def _admit(self) -> None:
-        def room() -> bool:
-            return self.pool.num_free > 0 if self.pool is not None else len(self.running) < self.config.max_num_seqs
+        def room(gen: Generation) -> bool:
+            slots = self.pool.num_free > 0 if self.pool is not None else len(self.running) < self.config.max_num_seqs
+            return slots and (self.kv_cache_tokens is None
+                              or self.num_reserved_tokens + gen.ctx.max_len <= self.kv_cache_tokens)
 
-        while self.waiting and room():
+        while self.waiting and (self.waiting[0].closed or room(self.waiting[0])):
             gen = self.waiting.popleft()
             if gen.closed:
                 continue

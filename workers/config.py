@@ -70,7 +70,9 @@ class ModelConfig(_Strict):
 
 
 class TargetConfig(ModelConfig):
-    max_model_len: int = Field(2048, gt=0, description="context limit: prompt + generated tokens")
+    max_model_len: int | None = Field(
+        None, gt=0, description="context limit: prompt + generated tokens (default: the model's positions, "
+                                "bounded by scheduler.kv_cache_gib)")
     weights: Literal["float32", "int4"] = Field(
         "float32",
         description="the layer products' weights: float32 (dequantised), or int4: a Q4_0 / Q4_1 GGUF file's own "
@@ -219,6 +221,9 @@ class SchedulerConfig(_Strict):
     max_num_batched_tokens: int = Field(
         256, ge=1, description="target rows per step: every running request's [last token + draft] first, "
                                "then prompt chunks of the requests still prefilling fill what is left")
+    kv_cache_gib: float = Field(
+        4.0, gt=0, description="KV cache of all running requests together; a request holds prompt + "
+                               "max_tokens positions from admission on, and waits while they do not fit")
 
 
 class EngineConfig(_Strict):

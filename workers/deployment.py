@@ -27,7 +27,7 @@ import psutil
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from policies.records import BatchingStats
+from policies.records import BatchingStats, ContextSpan
 from workers.config import EngineConfig, RoutingConfig
 
 if TYPE_CHECKING:
@@ -91,6 +91,7 @@ class FinalStats:
     reason: str | None = None  # why the plan: best, explore, fallback, policy, forced
     schedule: list[tuple[str, int, int]] = field(default_factory=list)  # (drafter, k, steps) runs
     fallbacks: list[str] = field(default_factory=list)
+    context: list[ContextSpan] = field(default_factory=list)  # the steps per context bucket crossed
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -224,6 +225,9 @@ class TargetWorker:
             texts.append(last.text)
         assert last is not None and last.finish_reason is not None
         return Chunk(token_ids, "".join(texts), last.finish_reason, last.stats)
+
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     def status(self) -> dict[str, int]:
         return {
@@ -422,6 +426,7 @@ class TargetWorker:
             reason=report.reason,
             schedule=[(s.drafter, s.draft_len, s.num_steps) for s in report.schedule],
             fallbacks=list(report.fallbacks),
+            context=list(report.context),
         )
         return Chunk(new_ids, delta, result.finish_reason, stats)
 
@@ -489,6 +494,9 @@ class DrafterWorker:
 
     def end(self, session: str) -> None:
         self.sessions.end(session)
+
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     def status(self) -> dict[str, int]:
         return {"num_sessions": len(self.sessions.sessions), "num_restarts": self.sessions.num_restarts}

@@ -135,6 +135,7 @@ class GenerationResult:
     drafters: list[str]  # every drafter that proposed, in order of first use
     prefill_s: float  # the prompt's forward, except its last token (that is in step one)
     wall_s: float
+    ttft_s: float  # from the request's start (queueing included) to its first step's tokens
     steps: list[StepStats] = field(repr=False, default_factory=list)
 
     @property
@@ -185,6 +186,7 @@ class Generation:
         self._no_draft = torch.empty(0, dtype=torch.long, device=self.device)
         self._t0 = time.perf_counter()
         self.prefill_s = 0.0
+        self.ttft_s: float | None = None
         self.num_prefilled = 0  # prompt tokens in the cache; the last one runs in the first step
         if prefill:
             self._prefill()
@@ -381,6 +383,7 @@ class Generation:
             drafters=list(dict.fromkeys(s.drafter for s in drafted)),
             prefill_s=self.prefill_s,
             wall_s=time.perf_counter() - self._t0,
+            ttft_s=self.ttft_s if self.ttft_s is not None else time.perf_counter() - self._t0,
             steps=self.steps,
         )
 
@@ -489,9 +492,24 @@ class Generation:
         return self.engine.target.tokenizer.decode(self.output_ids, skip_special_tokens=True)
 
     def _record(self, stats: StepStats) -> None:
+        if not self.steps:
+            self.ttft_s = time.perf_counter() - self._t0
         self.steps.append(stats)
         if self.on_step is not None:
             self.on_step(stats)
+
+
+def context_limit(configured: int | None, max_position: int, kv_cache_tokens: int | None) -> int:
+    """The longest prompt + output a request may ask for: the configured limit (default: the
+    model's positions), never past the model's positions nor what the KV memory holds."""
+    limit = max_position if configured is None else configured
+    bounds = {"the model's positions": max_position, "scheduler.kv_cache_gib": kv_cache_tokens}
+    for what, bound in bounds.items():
+        if bound is not None and limit > bound:
+            if configured is not None:
+                log.warning("max_model_len %d exceeds %s (%d): serving %d", configured, what, bound, bound)
+            limit = bound
+    return limit
 
 
 class SpecEngine:
@@ -499,7 +517,11 @@ class SpecEngine:
         self.target = target
         self.drafters = drafters
         self.config = config
-        self.max_model_len = min(config.target.max_model_len, target.model.info.max_position)
+        info = target.model.info
+        # the KV memory every running request shares, in positions (None: the model does not say)
+        self.kv_cache_tokens = (int(config.scheduler.kv_cache_gib * 2**30) // info.kv_bytes_per_token
+                                if info.kv_bytes_per_token else None)
+        self.max_model_len = context_limit(config.target.max_model_len, info.max_position, self.kv_cache_tokens)
         # the target's hidden states are kept per request only when some drafter reads them
         self.needs_hidden_states = any(d.needs_hidden_states for d in drafters.values())
         self.learners = [d for d in drafters.values() if isinstance(d, TrafficLearner)]

@@ -24,7 +24,7 @@ from policies.batching import BatchCost, DraftOption, allocate
 from policies.classifier import Classification, DomainClassifier
 from policies.cost import ALONE, RoundLoad
 from policies.paths import PathNotAllowed, confine
-from policies.records import Record, RequestRecord, ShadowRecord, StepRecord
+from policies.records import ContextSpan, Record, RequestRecord, ShadowRecord, StepRecord, context_bucket
 from policies.schema import Policy, PolicyError, check_policy_drafters, load_policy
 from policies.selector import FORCED, CostTable, Features, Plan, StepChoice, StepController, decide, forced_plan
 from policies.stats import StatsStore
@@ -72,6 +72,7 @@ class RoutingReport:
     predicted_speedup: float
     schedule: tuple[Segment, ...]  # the (drafter, k) asked for each step, run-length encoded
     fallbacks: tuple[str, ...]  # the reason of each switch to plain decoding
+    context: tuple[ContextSpan, ...] = ()  # the steps per context bucket, in the order crossed
 
     @property
     def fallback_reason(self) -> str | None:
@@ -295,9 +296,7 @@ class Router:
             candidates = [d for d in dp.drafters if d == PLAIN or d in self.engine.drafters]
             if drafter != AUTO:  # the request names its drafter; the policy picks k
                 candidates = [drafter]
-            snapshot = self.store.snapshot(window_s=policy.window.seconds)  # I/O with Redis: outside the lock
-            with self._lock:  # one rng, shared: draws in request order
-                plan = decide(features, snapshot, policy, self._rng, self.costs, candidates, self.own_length)
+            plan = self.decide(policy, features, candidates)
             if k is not None:  # the policy picks the drafter; the request fixed k
                 plan = forced_plan(domain, plan.drafter, k) if plan.drafter != PLAIN else plan
             elif drafter != AUTO:
@@ -311,7 +310,14 @@ class Router:
         shadow = [d for d in dp.drafters if d in self.engine.drafters and self.engine.drafters[d].cheap]
         gen = (self.engine.start(prompt_ids, params, domain=domain) if batch is None
                else batch.add(prompt_ids, params, domain=domain))
-        return RoutedGeneration(self, gen, policy, classification, plan, controller, shadow)
+        return RoutedGeneration(self, gen, policy, classification, plan, controller, shadow,
+                                candidates if plan.reason != FORCED else ())
+
+    def decide(self, policy: Policy, features: Features, candidates: Sequence[str]) -> Plan:
+        """The policy's plan for these features from the live statistics."""
+        snapshot = self.store.snapshot(window_s=policy.window.seconds)  # I/O with Redis: outside the lock
+        with self._lock:  # one rng, shared: draws in request order
+            return decide(features, snapshot, policy, self._rng, self.costs, candidates, self.own_length)
 
 
 class RoutedGeneration:
@@ -319,12 +325,16 @@ class RoutedGeneration:
 
     def __init__(
         self, router: Router, gen: Generation, policy: Policy, classification: Classification, plan: Plan,
-        controller: StepController, shadow: Sequence[str],
+        controller: StepController, shadow: Sequence[str], candidates: Sequence[str] = (),
     ) -> None:
+        """`candidates`: the drafters the plan chose among, re-planned for each context bucket
+        the request enters (none: a forced plan)."""
         self.router, self.gen, self.policy = router, gen, policy
         self.classification, self.plan, self.controller = classification, plan, controller
-        self.shadow = tuple(shadow)
+        self.shadow, self.candidates = tuple(shadow), tuple(candidates)
         self.domain = plan.domain
+        self._bucket = context_bucket(gen.ctx.num_prompt)
+        self._context: list[ContextSpan] = []
         self._records: list[Record] = []
         self._t0 = time.perf_counter()
         self._ttft_s: float | None = None
@@ -346,6 +356,12 @@ class RoutedGeneration:
 
     def choose(self, load: RoundLoad = ALONE) -> StepChoice:
         """The controller's choice for the next step."""
+        context_len = len(self.gen.ctx.token_ids)
+        if (bucket := context_bucket(context_len)) != self._bucket:
+            self._bucket = bucket
+            if self.candidates and self.controller.adaptive:  # acceptance and costs of the new bucket
+                self.controller.rebase(self.router.decide(self.policy, Features(self.domain, context_len),
+                                                          self.candidates))
         self.controller.load = load
         return self.controller.next()
 
@@ -369,6 +385,10 @@ class RoutedGeneration:
         if stats.fallback_reason is not None or stats.draft_len > 0:  # not a step clipped to k = 0 at the end
             self.controller.observe(stats.drafter, stats.num_draft_tokens, stats.num_accepted)
         self._records.append(StepRecord.from_step(self.domain, stats))
+        bucket = context_bucket(stats.context_len)
+        if not self._context or self._context[-1].bucket != bucket:
+            self._context.append(ContextSpan(bucket))
+        self._context[-1] = self._context[-1].add(stats.num_emitted, stats.num_draft_tokens, stats.num_accepted)
         for score in stats.shadows:
             self.controller.observe_shadow(score.drafter, score.start, score.num_proposed, score.num_accepted)
             self._records.append(ShadowRecord.from_score(self.domain, score))
@@ -420,7 +440,7 @@ class RoutedGeneration:
             domain=self.domain, domain_source=c.source, confidence=c.confidence,
             policy_version=self.policy.version, drafter=self.plan.drafter, draft_len=self.plan.draft_len,
             reason=self.plan.reason, predicted_speedup=self.plan.predicted_speedup,
-            schedule=tuple(self._schedule), fallbacks=self.fallbacks,
+            schedule=tuple(self._schedule), fallbacks=self.fallbacks, context=tuple(self._context),
         )
 
     def result(self) -> RoutedResult:
