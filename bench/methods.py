@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -103,7 +103,8 @@ class EngineMethod:
             num_steps=result.num_steps, num_draft_tokens=result.num_draft_tokens,
             num_accepted_tokens=result.num_accepted_tokens,
             accepted_per_position=result.accepted_per_position, drafted_per_position=result.drafted_per_position,
-            draft_s=sum(s.draft_s for s in result.steps),
+            draft_s=sum(s.draft_s for s in result.steps), verify_s=sum(s.verify_s for s in result.steps),
+            ttft_s=result.ttft_s, first_draft_s=result.steps[0].draft_s if result.steps else None,
         )
 
 
@@ -127,6 +128,8 @@ class RouterMethod:
             num_accepted_tokens=result.num_accepted_tokens,
             accepted_per_position=result.accepted_per_position, drafted_per_position=result.drafted_per_position,
             routing=routing_summary(routed.routing), draft_s=sum(s.draft_s for s in result.steps),
+            verify_s=sum(s.verify_s for s in result.steps), ttft_s=result.ttft_s,
+            first_draft_s=result.steps[0].draft_s if result.steps else None,
         )
 
 
@@ -136,6 +139,7 @@ def routing_summary(report: RoutingReport) -> dict[str, Any]:
         "reason": report.reason, "predicted_speedup": round(report.predicted_speedup, 4),
         "fallbacks": list(report.fallbacks),
         "schedule": [[s.drafter, s.draft_len, s.num_steps] for s in report.schedule],
+        "context": [asdict(span) for span in report.context],
     }
 
 

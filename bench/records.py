@@ -29,6 +29,9 @@ class RunRecord:
     drafted_per_position: list[int] | None
     routing: dict | None = None  # the router method: domain, plan, schedule, fallbacks
     draft_s: float | None = None  # seconds spent proposing (our engine's methods)
+    verify_s: float | None = None  # seconds in the target's verify forwards (our engine's methods)
+    ttft_s: float | None = None  # to the first step's tokens, prefill included (our engine's methods)
+    first_draft_s: float | None = None  # the first step's proposing: a drafter catching up on the prompt
 
 
 @dataclass
@@ -37,6 +40,12 @@ class MethodSummary:
     mat: float | None  # new tokens / target forwards, bonus included
     tokens_per_s: float | None
     lossless: bool  # every prompt's token_ids equal plain's
+    ttft_s: float | None = None  # mean time to the first tokens (prefill + first step)
+    itl_s: float | None = None  # mean time per token after the first: the decode phase
+    decode_speedup: float | None = None  # plain's decode-phase time / the method's (prefill excluded)
+    draft_ms: float | None = None  # proposing, per target step
+    first_draft_ms: float | None = None  # the first step's proposing (catching up on the prompt), per request
+    verify_ms: float | None = None  # the verify forward, per target step
 
 
 @dataclass

@@ -30,6 +30,53 @@ def summary_table(results: dict) -> list[str]:
     return lines
 
 
+def latency_table(results: dict) -> list[str]:
+    """Per category and method of our engine: time to first tokens, time per token after it,
+    the decode phase's speedup (prefill excluded), the first step's proposing (a drafter that
+    keeps its own state catches up on the prompt there), and a step's draft and verify time."""
+    lines = ["| category | method | TTFT s | ITL ms | decode speedup | first draft ms | draft ms / step "
+             "| verify ms / step |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for category, methods in results["summary"].items():
+        for method, s in methods.items():
+            if s.get("ttft_s") is None:
+                continue
+            name = f"**{category}**" if category == OVERALL else category
+            lines.append(
+                f"| {name} | {method} | {_fmt(s['ttft_s'], '.2f')} | {_fmt(_ms(s['itl_s']), '.1f')} "
+                f"| {_fmt(s['decode_speedup'], '.2f')}x | {_fmt(s['first_draft_ms'], '.1f')} "
+                f"| {_fmt(s['draft_ms'], '.2f')} "
+                f"| {_fmt(s['verify_ms'], '.1f')} |"
+            )
+    return lines if len(lines) > 2 else ["No method of this run reports its latency."]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
+
+
+def router_choice_table(runs: list[dict]) -> list[str]:
+    """The router's steps per drafter in each category, and per context bucket it crossed."""
+    routed = [r for r in runs if r.get("routing")]
+    if not routed:
+        return []
+    lines = ["| category | steps by drafter (share) | steps by context bucket |", "|---|---|---|"]
+    for category in dict.fromkeys(r["category"] for r in routed):
+        by_drafter: dict[str, int] = {}
+        by_bucket: dict[str, int] = {}
+        for r in routed:
+            if r["category"] != category:
+                continue
+            for drafter, _, steps in r["routing"]["schedule"]:
+                by_drafter[drafter] = by_drafter.get(drafter, 0) + steps
+            for span in r["routing"].get("context", []):
+                by_bucket[span["bucket"]] = by_bucket.get(span["bucket"], 0) + span["num_steps"]
+        total = sum(by_drafter.values()) or 1
+        drafters = ", ".join(f"{d} {n / total:.0%}" for d, n in sorted(by_drafter.items(), key=lambda x: -x[1]))
+        buckets = ", ".join(f"{b}: {n}" for b, n in by_bucket.items())
+        lines.append(f"| {category} | {drafters} | {buckets} |")
+    return lines
+
+
 def draft_cost_section(runs: list[dict]) -> list[str]:
     """Per method of our engine: what proposing cost, per draft token and as a share of the
     method's wall time (a drafter that eats the gain shows here first)."""
@@ -119,6 +166,13 @@ def write_report(results: dict, out: Path) -> list[Path]:
             "Fraction of the steps that drafted a token at position i in which the target accepted it "
             "(and so every earlier one).", "", "![acceptance by position](acceptance_by_position.png)", "",
         ]
+    lines += ["## Latency by category", "",
+              "TTFT: from the request's start to its first step's tokens (the prefill included). ITL: the "
+              "time per token after the first. Decode speedup: plain's time after its first tokens / the "
+              "method's, over the same prompts. First draft: the first step's proposing, where a drafter "
+              "with state of its own catches up on the prompt.", "", *latency_table(results), ""]
+    if choices := router_choice_table(results["runs"]):
+        lines += ["## The router's choices", "", *choices, ""]
     lines += ["## Drafting cost", "", *draft_cost_section(results["runs"]), "",
               "## Verification cost", "", *verify_curve_section(results["verify_curve"]), "",
               "## Greedy losslessness", "", *mismatch_section(results["mismatches"]), "",

@@ -19,11 +19,23 @@ def summarize_group(records: Sequence[RunRecord], method: str) -> MethodSummary:
     num_new = sum(r.num_new_tokens for r in runs)
     steps = [r.num_steps for r in runs]
     num_steps = sum(s for s in steps if s is not None)
+    timed = bool(runs) and all(r.ttft_s is not None for r in runs)
+    decode_s = sum(r.wall_s - (r.ttft_s or 0.0) for r in runs)
+    plain_decode_s = sum(plain[r.question_id].wall_s - (plain[r.question_id].ttft_s or 0.0) for r in runs)
+    after_first = sum(r.num_new_tokens - 1 for r in runs)
+    timed_steps = num_steps if timed and None not in steps and num_steps > 0 else 0
     return MethodSummary(
         speedup=plain_wall_s / wall_s if wall_s > 0 else None,
         mat=num_new / num_steps if runs and None not in steps and num_steps > 0 else None,
         tokens_per_s=num_new / wall_s if wall_s > 0 else None,
         lossless=all(r.token_ids == plain[r.question_id].token_ids for r in runs),
+        ttft_s=sum(r.ttft_s or 0.0 for r in runs) / len(runs) if timed else None,
+        itl_s=decode_s / after_first if timed and after_first > 0 else None,
+        decode_speedup=(plain_decode_s / decode_s if timed and decode_s > 0
+                        and all(plain[r.question_id].ttft_s is not None for r in runs) else None),
+        draft_ms=1e3 * sum(r.draft_s or 0.0 for r in runs) / timed_steps if timed_steps else None,
+        first_draft_ms=1e3 * sum(r.first_draft_s or 0.0 for r in runs) / len(runs) if timed else None,
+        verify_ms=1e3 * sum(r.verify_s or 0.0 for r in runs) / timed_steps if timed_steps else None,
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -68,7 +68,10 @@ def test_results_contract(bench_run: tuple[dict, Path]) -> None:
     assert list(on_disk["summary"]) == ["summarization", "coding", OVERALL]
     for by_method in on_disk["summary"].values():
         assert list(by_method) == METHODS
-        assert set(by_method["plain"]) == {"speedup", "mat", "tokens_per_s", "lossless"}
+        assert set(by_method["plain"]) == {"speedup", "mat", "tokens_per_s", "lossless", "ttft_s", "itl_s",
+                                           "decode_speedup", "draft_ms", "first_draft_ms", "verify_ms"}
+        assert by_method["plain"]["ttft_s"] > 0 and by_method["plain"]["decode_speedup"] == 1.0
+        assert by_method["hf"]["ttft_s"] is None  # transformers' generate does not say when its first token came
         assert by_method["plain"]["speedup"] == 1.0 and by_method["plain"]["mat"] == 1.0
         # decisive random logits: no near-ties, so every method must reproduce plain exactly
         assert all(s["lossless"] for s in by_method.values()), by_method
@@ -102,6 +105,9 @@ def test_report_and_plots(bench_run: tuple[dict, Path]) -> None:
     assert "| method | draft tokens | draft ms / token | share of wall time |" in report
     draft_rows = [line for line in report.splitlines() if line.startswith("| self |") and "%" in line]
     assert len(draft_rows) == 1 and not any(line.startswith("| plain |") and "%" in line for line in report.splitlines())
+    # latency per category for our engine's methods; the router's steps by drafter and context bucket
+    assert "| category | method | TTFT s | ITL ms | decode speedup |" in report
+    assert any(line.startswith("| coding | self |") for line in report.splitlines())
     for name in ("speedup.png", "acceptance_by_position.png", "verify_curve.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
 
@@ -129,7 +135,11 @@ def test_cli_bench(tmp_path: Path, tiny_config: EngineConfig, capsys: pytest.Cap
     for r in runs:
         assert r["routing"]["domain"] in ("code", "summarization", "chat")
         assert sum(steps for _, _, steps in r["routing"]["schedule"]) == r["num_steps"]
+        assert [span["bucket"] for span in r["routing"]["context"]] == ["0-512"]
     assert all(s["lossless"] for s in results["summary"]["overall"].values())
+    report = (routed / "report.md").read_text()
+    assert "| category | steps by drafter (share) | steps by context bucket |" in report
+    assert any(line.startswith("| coding |") and "0-512:" in line for line in report.splitlines())
 
     assert main([*common, "--methods", "plain,ngarm", "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
@@ -205,6 +215,22 @@ def test_summary_arithmetic() -> None:
     assert overall["ngram"].speedup == pytest.approx(9.0 / 8.0) and not overall["ngram"].lossless
     assert overall["hf-pld"].speedup == pytest.approx(1.0)  # only over the prompts it ran on
     assert "hf-pld" not in summary["a"] or summary["a"]["hf-pld"].speedup is None
+
+
+def test_latency_summary_arithmetic() -> None:
+    """TTFT, time per token after the first, the decode phase's speedup, per-step draft and verify."""
+    def timed(qid: int, method: str, wall: float, ttft: float, draft: float, verify: float) -> RunRecord:
+        return replace(_record(qid, "a", method, wall, [1, 2, 3, 4, 5], 5 if method == "plain" else 2),
+                       ttft_s=ttft, draft_s=draft, verify_s=verify, first_draft_s=draft / 2)
+
+    records = [timed(1, "plain", 3.0, 1.0, 0.0, 2.0), timed(1, "ngram", 2.0, 1.0, 0.2, 0.8),
+               timed(2, "plain", 5.0, 3.0, 0.0, 2.0), timed(2, "ngram", 4.0, 3.0, 0.2, 0.8)]
+    s = summarize(records)["a"]["ngram"]
+    assert s.ttft_s == pytest.approx(2.0) and s.itl_s == pytest.approx(2.0 / 8)  # 8 tokens after the first
+    assert s.decode_speedup == pytest.approx(4.0 / 2.0)  # prefill excluded; the wall speedup is 8 / 6
+    assert s.draft_ms == pytest.approx(1e3 * 0.4 / 4) and s.verify_ms == pytest.approx(1e3 * 1.6 / 4)
+    assert s.first_draft_ms == pytest.approx(100.0)
+    assert summarize([_record(1, "a", "plain", 1.0, [1], 1)])["a"]["plain"].ttft_s is None  # not timed: n/a
 
 
 class _FixedLogits(torch.nn.Module):
