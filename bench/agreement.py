@@ -126,7 +126,7 @@ def render(table: dict[str, dict[str, Agreement]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from router.cli import load_engine_config
+    from workers.config import load_engine_config
 
     parser = argparse.ArgumentParser(prog="python -m bench.agreement", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=Path("bench/trained_drafters.yaml"), help="an engine config")

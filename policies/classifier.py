@@ -15,8 +15,6 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
-import re
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -424,16 +422,3 @@ English; the domains are the task's shape, not its topic.
     path = out / CARD_FILE
     path.write_text(card)
     return path
-
-
-_CARD_ACC = re.compile(r"\*\*Held-out accuracy: ([0-9.]+)\*\*")
-
-
-def card_heldout_accuracy(card: str | Path) -> float | None:
-    """The held-out accuracy a CARD.md states, or None."""
-    m = _CARD_ACC.search(Path(card).read_text())
-    return float(m.group(1)) if m else None
-
-
-def domain_counts(examples: Iterable[Example]) -> Counter[str]:
-    return Counter(e.domain for e in examples)

@@ -14,11 +14,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import yaml
-from pydantic import ValidationError
-
-from policies.schema import describe_errors
-from workers.config import DEFAULT_TARGET_MODEL, PLAIN, EngineConfig, RoutingConfig
+from router.serve import ServeError
+from workers.config import DEFAULT_TARGET_MODEL, PLAIN, ConfigError, RoutingConfig, load_engine_config
 
 DEFAULT_SERVE_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve.cpu.yaml"
 
@@ -50,38 +47,8 @@ def _existing_file(path: Path, flag: str) -> Path:
     return path
 
 
-def load_engine_config(path: Path | None) -> EngineConfig:
-    """An engine config from YAML: either the engine block itself or a Serve config whose first
-    application carries it under args.engine. No path: every default."""
-    if path is None:
-        return EngineConfig()
-    data = read_yaml(path)
-    if "applications" in data:
-        data = (data["applications"][0].get("args") or {}).get("engine") or {}
-    try:
-        return EngineConfig.model_validate(data)
-    except ValidationError as e:
-        raise CLIError(f"config {path}: {describe_validation_error(e)}") from None
-
-
-def read_yaml(path: Path) -> dict:
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except OSError as e:
-        raise CLIError(f"cannot read config {path}: {e.strerror}") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise CLIError(f"config {path} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise CLIError(f"config {path}: expected a mapping at the top level")
-    return data
-
-
 def routing_config(policy: Path | None) -> RoutingConfig:
     return RoutingConfig(policy=None if policy is None else _existing_file(policy, "--policy"))
-
-
-def describe_validation_error(e: ValidationError) -> str:
-    return describe_errors(e, root="config")
 
 
 def _positive_int(text: str) -> int:
@@ -499,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except CLIError as e:
+    except (CLIError, ConfigError, ServeError) as e:  # the user's mistake: one line, exit status 2
         print(f"specroute {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -20,11 +20,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from router.cli import CLIError, describe_validation_error, read_yaml
+from workers.config import ConfigError, describe_validation_error, read_yaml
 
 QUIET_LOGGING = {"log_level": "WARNING"}  # Serve's per-request access logs are INFO
 SERVE_SHUTDOWN_TIMEOUT_S = 10.0
 DEPLOY_TIMEOUT_S = 900.0  # the first start converts the GGUF target once
+
+
+class ServeError(RuntimeError):
+    """Serve could not run the application; the message is Serve's reason."""
 
 
 def load_serve_config(path: Path) -> dict[str, Any]:
@@ -35,9 +39,9 @@ def load_serve_config(path: Path) -> dict[str, Any]:
     try:
         ServeDeploySchema.model_validate(data)
     except ValidationError as e:
-        raise CLIError(f"config {path} is not a valid Serve config: {e}") from None
+        raise ConfigError(f"config {path} is not a valid Serve config: {e}") from None
     if not data.get("applications"):
-        raise CLIError(f"config {path}: no applications")
+        raise ConfigError(f"config {path}: no applications")
     return data
 
 
@@ -52,7 +56,7 @@ def _build(app_config: dict[str, Any]) -> Any:
     try:
         return target(app_config.get("args") or {})
     except ValidationError as e:
-        raise CLIError(f"application args: {describe_validation_error(e)}") from None
+        raise ConfigError(f"application args: {describe_validation_error(e)}") from None
 
 
 def start_ray() -> None:
@@ -91,10 +95,10 @@ def serve(config_path: Path, host: str = "127.0.0.1", port: int = 8000, blocking
         _wait_until_running([app.name for app in schema.applications])
     except BaseException as e:
         shutdown()
-        if isinstance(e, CLIError):
+        if isinstance(e, (ConfigError, ServeError)):
             raise
         if isinstance(e, Exception):
-            raise CLIError(f"deploying the application failed: {e}") from None
+            raise ServeError(f"deploying the application failed: {e}") from None
         raise
     if not blocking:
         return
@@ -116,7 +120,7 @@ def serve(config_path: Path, host: str = "127.0.0.1", port: int = 8000, blocking
 
 
 def _wait_until_running(names: list[str], timeout_s: float = DEPLOY_TIMEOUT_S) -> None:
-    """Until every application is RUNNING; a failed deploy raises CLIError with Serve's message."""
+    """Until every application is RUNNING; a failed deploy raises ServeError with Serve's message."""
     from ray import serve as ray_serve
 
     deadline = time.monotonic() + timeout_s
@@ -125,11 +129,11 @@ def _wait_until_running(names: list[str], timeout_s: float = DEPLOY_TIMEOUT_S) -
         statuses = {name: apps[name] if name in apps else None for name in names}
         failed = {n: a for n, a in statuses.items() if a is not None and a.status == "DEPLOY_FAILED"}
         if failed:
-            raise CLIError("; ".join(f"application {n!r} failed to deploy: {a.message}" for n, a in failed.items()))
+            raise ServeError("; ".join(f"application {n!r} failed to deploy: {a.message}" for n, a in failed.items()))
         if all(a is not None and a.status == "RUNNING" for a in statuses.values()):
             return
         if time.monotonic() > deadline:
-            raise CLIError(f"the applications were not running after {timeout_s:.0f} s: "
+            raise ServeError(f"the applications were not running after {timeout_s:.0f} s: "
                            + ", ".join(f"{n}: {a.status if a else 'not deployed'}" for n, a in statuses.items()))
         time.sleep(0.5)
 

@@ -18,7 +18,8 @@ from policies.schema import (
     check_policy_drafters,
     load_policy,
 )
-from router.cli import DEFAULT_SERVE_CONFIG, load_engine_config, main
+from router.cli import DEFAULT_SERVE_CONFIG, main
+from workers.config import load_engine_config
 
 DEFAULT_DOMAINS = {"code", "math", "summarization", "rag", "translation", "chat"}
 

@@ -57,7 +57,7 @@ def test_deploy_configs_validate(name: str) -> None:
     from ray.serve.schema import ServeDeploySchema
 
     from router.app import AppArgs
-    from router.cli import load_engine_config
+    from workers.config import load_engine_config
 
     path = DEPLOY / name
     data = yaml.safe_load(path.read_text())

