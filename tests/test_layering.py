@@ -74,9 +74,11 @@ def test_the_walk_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_the_cli_is_a_leaf() -> None:
+def test_the_cli_is_a_leaf_and_only_it_imports_bench() -> None:
     graph = module_graph()
     assert not [name for name, deps in graph.items() if "router.cli" in deps]
+    assert not [name for name, deps in graph.items()
+                if not name.startswith("bench") and name != "router.cli" and any(d.startswith("bench") for d in deps)]
 
 
 @pytest.mark.parametrize("module", [
