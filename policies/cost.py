@@ -27,8 +27,21 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from policies.records import StatsSnapshot
+from policies.schema import MAX_DRAFT_LEN
+
+if TYPE_CHECKING:
+    from policies.acceptance import Acceptance
+
+# Until measured, a verify of k draft tokens costs (1 + VERIFY_SLOPE * k) plain steps; the
+# measured curve on the default CPU target is close (docs/benchmarks.md, "verify cost").
+VERIFY_SLOPE = 0.075
+MIN_COST_SAMPLES = 3  # measured cost samples before they replace the prior for one k
 
 
 def prefix_acceptance(conditional: Sequence[float]) -> list[float]:
@@ -153,3 +166,60 @@ def best_draft_len(prefix: Sequence[float], costs: StepCosts, k_min: int, k_max:
         if k >= k_min and (speedup := _speedup(tokens, steps_s[k], costs.plain_s, load)) > best.speedup:
             best = BestDraftLen(k, speedup)
     return best
+
+
+# -- the deployment's measured costs ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CostTable:
+    """Deployment-wide step costs: a plain step, verify by the number of draft tokens verified
+    (verify_s[0] = plain_s) and each drafter's seconds per draft token (missing: 0, until
+    measured); a tree drafter's tokens verified at each depth (the engine's config says)."""
+
+    verify_s: tuple[float, ...]
+    draft_s_per_token: Mapping[str, float] = field(default_factory=dict)
+    tree_sizes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def plain_s(self) -> float:
+        return self.verify_s[0]
+
+    @classmethod
+    def relative(cls, max_k: int = MAX_DRAFT_LEN) -> CostTable:
+        """The prior when nothing is measured: plain = 1, verify(k) = 1 + VERIFY_SLOPE * k."""
+        return cls(tuple(1.0 + VERIFY_SLOPE * k for k in range(max_k + 1)))
+
+    def for_drafter(self, drafter: str, propose_rate: float = 1.0,
+                    propose_rates: Sequence[float] | None = None) -> StepCosts:
+        return StepCosts(self.plain_s, self.draft_s_per_token.get(drafter, 0.0), self.verify_s, propose_rate,
+                         self.tree_sizes.get(drafter), propose_rates)
+
+    def for_estimate(self, drafter: str, est: Acceptance) -> StepCosts:
+        """The step costs of `drafter` proposing as its estimate says it does."""
+        return self.for_drafter(drafter, est.proposes, est.proposed)
+
+
+def cost_table(snapshot: StatsSnapshot, bucket: str, prior: CostTable | None, drafters: Iterable[str]) -> CostTable:
+    """Measured costs where there are enough samples (this context bucket first, then all), the
+    prior elsewhere, rescaled by the median measured / prior ratio so the curve stays consistent
+    (a prior measured on another context length, or the unitless relative one); non-decreasing in k."""
+    prior = prior or CostTable.relative()
+
+    def measured(stat_of) -> float | None:
+        for b in (bucket, None):
+            stat = stat_of(b)
+            if stat.count >= MIN_COST_SAMPLES:
+                return stat.mean
+        return None
+
+    known = {k: m for k in range(len(prior.verify_s))
+             if (m := measured(lambda b, k=k: snapshot.verify_s(k, b))) is not None}
+    scale = statistics.median(m / prior.verify_s[k] for k, m in known.items()) if known else 1.0
+    # a forward over more tokens never costs less: noise that says so would lure k upwards
+    verify = tuple(itertools.accumulate(
+        (known.get(k, prior.verify_s[k] * scale) for k in range(len(prior.verify_s))), max))
+    draft = {}
+    for name in drafters:
+        m = measured(lambda b, name=name: snapshot.draft_s_per_token(name, b))
+        draft[name] = m if m is not None else prior.draft_s_per_token.get(name, 0.0) * scale
+    return CostTable(verify, draft, prior.tree_sizes)

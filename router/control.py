@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
+from policies.outlook import measured_speedup
 from policies.records import StatsSnapshot
-from policies.selector import measured_speedup
 from policies.stats import SeriesPoint, StoreHealth
 from router.guard import bearer_matches
 from router.observation import Observation, finite

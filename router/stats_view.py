@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from policies.outlook import measured_speedup
 from policies.records import PLAIN, AcceptanceCounts, StatsSnapshot
-from policies.selector import measured_speedup
 from router.observation import Observation, finite
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import TwoTokenCase
 
-from policies.selector import FirstTry
+from policies.controller import FirstTry
 from workers.config import EngineConfig, ModelConfig, ModelDrafterConfig, NgramDrafterConfig
 from workers.drafters.base import Draft, DraftContext
 from workers.drafters.model import ModelDrafter

@@ -82,7 +82,8 @@ def test_the_cli_is_a_leaf_and_only_it_imports_bench() -> None:
 
 
 @pytest.mark.parametrize("module", [
-    "policies.selector", "policies.classifier", "policies.stats", "policies.batching", "router.app",
+    "policies.selector", "policies.controller", "policies.outlook", "policies.classifier", "policies.stats",
+    "policies.batching", "router.app",
 ])
 def test_no_torch_where_no_model_runs(module: str) -> None:
     """The policy package and the ingress (router.app, which imports the worker's deployment

@@ -20,7 +20,10 @@ from typing import TypeVar
 
 import pytest
 
-from policies.cost import ALONE, RoundLoad
+from policies.acceptance import Acceptance, evidence
+from policies.controller import REQUEST_PRIOR_STEPS, FirstTry, StepChoice, StepController
+from policies.cost import ALONE, MIN_COST_SAMPLES, CostTable, RoundLoad, cost_table
+from policies.outlook import measured_speedup, outlook
 from policies.records import PLAIN, AcceptanceCounts, ShadowRecord, StatsSnapshot, StepRecord, context_bucket
 from policies.schema import DEFAULT_PRIOR, MAX_DRAFT_LEN, Policy, load_policy
 from policies.selector import (
@@ -29,25 +32,14 @@ from policies.selector import (
     FALLBACK,
     FORCED,
     LOW_SPEEDUP,
-    MIN_COST_SAMPLES,
     POLICY,
     PROBE,
     RECOVER,
-    REQUEST_PRIOR_STEPS,
     SWITCH,
-    Acceptance,
-    CostTable,
     Features,
-    FirstTry,
     Plan,
-    StepChoice,
-    StepController,
-    cost_table,
     decide,
-    evidence,
     forced_plan,
-    measured_speedup,
-    outlook,
 )
 from policies.stats import MemoryStats
 

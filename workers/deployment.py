@@ -248,7 +248,7 @@ class TargetWorker:
         configured names that bound metric labels. With a shared (Redis) store every replica
         reports the same totals; in memory, its own. `series`: one snapshot per store time
         bucket over the window, without histograms and costs (the dashboard's time axis)."""
-        from policies.selector import measured_speedup, outlook
+        from policies.outlook import measured_speedup, outlook
 
         policy, store = self.router.policy, self.router.store
         window = store.snapshot(window_s=policy.window.seconds)

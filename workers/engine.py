@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from policies.selector import FirstTry
+from policies.controller import FirstTry
 from workers.config import PLAIN, EngineConfig
 from workers.drafters.base import Draft, DraftContext, Drafter, LogitsReader, TrafficLearner
 from workers.drafters.registry import build_drafters

@@ -22,11 +22,12 @@ import torch
 
 from policies.batching import BatchCost, DraftOption, allocate
 from policies.classifier import Classification, DomainClassifier
-from policies.cost import ALONE, RoundLoad
+from policies.controller import StepChoice, StepController
+from policies.cost import ALONE, CostTable, RoundLoad
 from policies.paths import PathNotAllowed, confine
 from policies.records import ContextSpan, Record, RequestRecord, ShadowRecord, StepRecord, context_bucket
 from policies.schema import Policy, PolicyError, check_policy_drafters, load_policy
-from policies.selector import FORCED, CostTable, Features, Plan, StepChoice, StepController, decide, forced_plan
+from policies.selector import FORCED, Features, Plan, decide, forced_plan
 from policies.stats import StatsStore
 from workers.batch import BatchEngine, BatchStep
 from workers.config import PLAIN, LookaheadDrafterConfig, RoutingConfig
@@ -185,7 +186,7 @@ class Router:
             costs = replace(costs or CostTable.relative(), tree_sizes=sizes)
         self.costs = costs
         # cheap chain drafters are asked for max_draft_len on every step they are scored (shadows):
-        # their statistics say how far they propose (policies/selector.py, Acceptance.own_length)
+        # their statistics say how far they propose (policies/acceptance.py, Acceptance.own_length)
         self.own_length = frozenset(name for name, d in engine.drafters.items() if d.cheap and name not in sizes)
         self.batch_cost = batch_cost or relative_batch_cost(costs or CostTable.relative())
         self._rng = random.Random(seed)
