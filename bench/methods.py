@@ -27,7 +27,7 @@ from bench.records import RunRecord
 from bench.summary import PLAIN_METHOD
 from workers.config import EngineConfig, ModelDrafterConfig
 from workers.drafters.suffix import SuffixCaches, SuffixDrafter
-from workers.engine import PLAIN, SpecEngine
+from workers.engine import PLAIN, GenerationResult, SpecEngine
 from workers.routing import Router, RoutingReport
 from workers.routing import generate as route
 from workers.sampling import SamplingParams
@@ -96,16 +96,7 @@ class EngineMethod:
         params = SamplingParams(max_tokens=max_tokens)  # greedy
         t0 = time.perf_counter()
         result = self.engine.generate(prompt_ids, params, self.drafter, domain=prompt.category)
-        wall_s = time.perf_counter() - t0
-        return RunRecord(
-            question_id=prompt.question_id, category=prompt.category, method=self.name,
-            token_ids=result.token_ids, num_new_tokens=len(result.token_ids), wall_s=wall_s,
-            num_steps=result.num_steps, num_draft_tokens=result.num_draft_tokens,
-            num_accepted_tokens=result.num_accepted_tokens,
-            accepted_per_position=result.accepted_per_position, drafted_per_position=result.drafted_per_position,
-            draft_s=sum(s.draft_s for s in result.steps), verify_s=sum(s.verify_s for s in result.steps),
-            ttft_s=result.ttft_s, first_draft_s=result.steps[0].draft_s if result.steps else None,
-        )
+        return engine_record(prompt, self.name, result, time.perf_counter() - t0)
 
 
 @dataclass
@@ -119,18 +110,22 @@ class RouterMethod:
         params = SamplingParams(max_tokens=max_tokens)  # greedy
         t0 = time.perf_counter()
         routed = route(self.router, prompt_ids, params, prompt.text)
-        wall_s = time.perf_counter() - t0
-        result = routed.generation
-        return RunRecord(
-            question_id=prompt.question_id, category=prompt.category, method=self.name,
-            token_ids=result.token_ids, num_new_tokens=len(result.token_ids), wall_s=wall_s,
-            num_steps=result.num_steps, num_draft_tokens=result.num_draft_tokens,
-            num_accepted_tokens=result.num_accepted_tokens,
-            accepted_per_position=result.accepted_per_position, drafted_per_position=result.drafted_per_position,
-            routing=routing_summary(routed.routing), draft_s=sum(s.draft_s for s in result.steps),
-            verify_s=sum(s.verify_s for s in result.steps), ttft_s=result.ttft_s,
-            first_draft_s=result.steps[0].draft_s if result.steps else None,
-        )
+        return engine_record(prompt, self.name, routed.generation, time.perf_counter() - t0,
+                             routing_summary(routed.routing))
+
+
+def engine_record(prompt: BenchPrompt, method: str, result: GenerationResult, wall_s: float,
+                  routing: dict[str, Any] | None = None) -> RunRecord:
+    """The record of one run of our engine, routed or not: its counts and timings per step."""
+    return RunRecord(
+        question_id=prompt.question_id, category=prompt.category, method=method,
+        token_ids=result.token_ids, num_new_tokens=len(result.token_ids), wall_s=wall_s,
+        num_steps=result.num_steps, num_draft_tokens=result.num_draft_tokens,
+        num_accepted_tokens=result.num_accepted_tokens,
+        accepted_per_position=result.accepted_per_position, drafted_per_position=result.drafted_per_position,
+        routing=routing, draft_s=sum(s.draft_s for s in result.steps), verify_s=sum(s.verify_s for s in result.steps),
+        ttft_s=result.ttft_s, first_draft_s=result.steps[0].draft_s if result.steps else None,
+    )
 
 
 def routing_summary(report: RoutingReport) -> dict[str, Any]:

@@ -495,9 +495,6 @@ class DrafterWorker:
     def end(self, session: str) -> None:
         self.sessions.end(session)
 
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
     def status(self) -> dict[str, int]:
         return {"num_sessions": len(self.sessions.sessions), "num_restarts": self.sessions.num_restarts}
 
