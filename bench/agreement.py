@@ -26,13 +26,13 @@ import torch
 
 from bench.prompts import BenchPrompt, load_prompts
 from policies.classifier import CATEGORY_TO_DOMAIN
+from training.corpus import HELDOUT_MOD
 from workers.drafters.base import Drafter, token_ids_of
 from workers.drafters.eagle import EagleDrafter
 from workers.drafters.medusa import MedusaDrafter
 from workers.drafters.model import ModelDrafter
 from workers.engine import SpecEngine
 from workers.sampling import SamplingParams
-from workers.train.corpus import HELDOUT_MOD
 
 SUPPORTED = (EagleDrafter, MedusaDrafter, ModelDrafter)  # the kinds with a model to teacher force
 CONFIDENT = 0.8  # the target's top probability above which a position counts as confident

@@ -224,12 +224,12 @@ DRAFTER_KINDS_TRAINABLE = ("eagle", "medusa", "model")
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     if args.kind not in DRAFTER_KINDS_TRAINABLE:
         raise CLIError(f"--kind: unknown drafter kind {args.kind!r} (available: {', '.join(DRAFTER_KINDS_TRAINABLE)})")
+    from training.args import TrainError
+    from training.corpus import CorpusError
+    from training.eagle import EagleTrainArgs, train_eagle
+    from training.medusa import MedusaTrainArgs, train_medusa
+    from training.model import ModelTrainArgs, train_model
     from workers.target import ModelLoadError
-    from workers.train.common import TrainError
-    from workers.train.corpus import CorpusError
-    from workers.train.eagle import EagleTrainArgs, train_eagle
-    from workers.train.medusa import MedusaTrainArgs, train_medusa
-    from workers.train.model import ModelTrainArgs, train_model
 
     cls, train = {"eagle": (EagleTrainArgs, train_eagle), "medusa": (MedusaTrainArgs, train_medusa),
                   "model": (ModelTrainArgs, train_model)}[args.kind]
@@ -268,10 +268,10 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 
 def cmd_gen_answers(args: argparse.Namespace) -> int:
+    from training.answers import check_sampling, generate_answers, read_prompts
+    from training.corpus import CorpusError
     from workers.config import ModelConfig
     from workers.target import ModelLoadError, load_hf
-    from workers.train.answers import check_sampling, generate_answers, read_prompts
-    from workers.train.corpus import CorpusError
 
     for path in args.prompts:
         _existing_file(path, "--prompts")
@@ -393,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "held-out Spec-Bench); NAME*W weights a source's share (default 1)")
     td.add_argument("--out", type=Path, required=True,
                     help="drafter folder: config.json, the weights (safetensors), CARD.md")
-    # defaults None: each kind's own default (workers/train/eagle.py, medusa.py, model.py) applies
+    # defaults None: each kind's own default (training/eagle.py, medusa.py, model.py) applies
     td.add_argument("--max-tokens", type=_positive_int, default=None, help="corpus size cap (tokens; default 1M)")
     td.add_argument("--draft-vocab", type=_non_negative_int, default=None,
                     help="rows of the draft head: the most frequent corpus tokens (0: all; default 8192)")

@@ -1,5 +1,6 @@
-"""The dependency direction (DESIGN.md): no import cycle between our modules, and torch stays out
-of the policy package and the ingress process (they run where no model is loaded)."""
+"""The dependency direction (DESIGN.md): no import cycle between our modules, drafter training
+above the engine (only the CLI and bench/ import it), and torch out of the policy package and the
+ingress process (they run where no model is loaded)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("policies", "workers", "router", "bench")
+PACKAGES = ("policies", "workers", "training", "router", "bench")
 
 
 def module_graph() -> dict[str, set[str]]:
@@ -79,6 +80,18 @@ def test_the_cli_is_a_leaf_and_only_it_imports_bench() -> None:
     assert not [name for name, deps in graph.items() if "router.cli" in deps]
     assert not [name for name, deps in graph.items()
                 if not name.startswith("bench") and name != "router.cli" and any(d.startswith("bench") for d in deps)]
+
+
+def in_package(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_training_builds_on_workers_and_only_the_cli_and_bench_import_it() -> None:
+    graph = module_graph()
+    assert "workers.target" in graph["training.trainer"]  # the walk sees training's imports
+    importers = sorted(name for name, deps in graph.items()
+                       if not in_package(name, "training") and any(in_package(d, "training") for d in deps))
+    assert [name for name in importers if name != "router.cli" and not in_package(name, "bench")] == []
 
 
 @pytest.mark.parametrize("module", [

@@ -11,10 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from router.cli import main
-from workers.config import EagleDrafterConfig, EngineConfig, TargetConfig
-from workers.drafters.eagle import EagleNet
-from workers.sampling import SamplingParams
-from workers.train.corpus import (
+from training.corpus import (
     CorpusError,
     build_corpus,
     parse_sources,
@@ -23,7 +20,10 @@ from workers.train.corpus import (
     spec_bench_prompts,
     stdlib_files,
 )
-from workers.train.features import FeatureSet, select_draft_vocab, vocab_coverage
+from training.features import FeatureSet, select_draft_vocab, vocab_coverage
+from workers.config import EagleDrafterConfig, EngineConfig, TargetConfig
+from workers.drafters.eagle import EagleNet
+from workers.sampling import SamplingParams
 
 SMALL = ["--data", "pydoc", "--max-tokens", "4000", "--chunk-len", "256", "--seq-len", "64", "--batch", "4",
          "--lr", "1e-3", "--save-every", "3", "--draft-vocab", "2048"]
@@ -226,9 +226,9 @@ def test_draft_vocab_is_most_frequent_first() -> None:
 
 
 def test_target_init_starts_as_the_identity(tiny_llama_dir: Path) -> None:
+    from training.eagle import eagle_config_for, init_from_target
     from workers.config import ModelConfig
     from workers.target import load_model
-    from workers.train.eagle import eagle_config_for, init_from_target
 
     model = load_model(ModelConfig(model=str(tiny_llama_dir))).model
     vocab = torch.arange(10, 110)
@@ -247,7 +247,7 @@ def test_target_init_starts_as_the_identity(tiny_llama_dir: Path) -> None:
 
 # -- the training-time test (--unroll) ---------------------------------------------------------------
 def test_unroll_mask_sees_what_drafting_sees() -> None:
-    from workers.train.eagle import unroll_mask
+    from training.eagle import unroll_mask
 
     # step 2, query 2 continues the draft that began after true pair 1: true keys 0..1, its own step-2 key
     assert unroll_mask(4, 2)[2].tolist() == [True, True, False, False] + [False, False, True, False]
@@ -260,10 +260,10 @@ def test_unroll_mask_sees_what_drafting_sees() -> None:
 def test_unrolled_steps_equal_drafting_with_the_cache(tiny_llama_dir: Path) -> None:
     """Step j of the parallel unroll at position s is exactly the j-th draft step run sequentially
     through the drafting cache from true pair s - j + 1, fed the head's own features."""
+    from training.eagle import eagle_config_for, unrolled_predictions
     from workers.config import ModelConfig
     from workers.drafters.eagle import EagleCache
     from workers.target import load_model
-    from workers.train.eagle import eagle_config_for, unrolled_predictions
 
     model = load_model(ModelConfig(model=str(tiny_llama_dir))).model
     torch.manual_seed(0)
@@ -303,8 +303,8 @@ def test_unrolled_training_reports_later_draft_steps(tiny_llama_dir: Path, tmp_p
     assert record(tuned)["eval_initial"]["loss"] == pytest.approx(record(trained)["eval_final"]["loss"], rel=1e-4)
     assert f"from the EAGLE checkpoint `{trained}`" in (tuned / "CARD.md").read_text()
 
-    from workers.train.common import TrainError
-    from workers.train.eagle import EagleTrainArgs, train_eagle
+    from training.args import TrainError
+    from training.eagle import EagleTrainArgs, train_eagle
 
     with pytest.raises(TrainError, match="--unroll must be at least 1"):
         train_eagle(EagleTrainArgs(target=str(tiny_llama_dir), data="pydoc", out=str(tmp_path / "bad"), unroll=0))
@@ -312,7 +312,7 @@ def test_unrolled_training_reports_later_draft_steps(tiny_llama_dir: Path, tmp_p
 
 # -- gen-answers -------------------------------------------------------------------------------------
 def test_read_prompts_keeps_the_train_split_only(tmp_path: Path) -> None:
-    from workers.train.answers import read_prompts
+    from training.answers import read_prompts
 
     bench = tmp_path / "question.jsonl"
     bench.write_text("".join(json.dumps({"question_id": q, "category": "qa", "turns": [f"Question {q}?", "More?"]}) + "\n"

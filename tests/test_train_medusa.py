@@ -12,11 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from training.args import TrainError
+from training.medusa import MedusaTrainArgs, gather_heads, train_medusa
+from training.state import FEATURES_FILE, STATE_DIR
 from workers.config import EngineConfig, MedusaDrafterConfig, TargetConfig
 from workers.drafters.medusa import WEIGHT_FILE, MedusaHeads
 from workers.sampling import SamplingParams
-from workers.train.common import FEATURES_FILE, STATE_DIR, TrainError
-from workers.train.medusa import MedusaTrainArgs, gather_heads, train_medusa
 
 
 def args_for(target: Path, out: Path, **kw) -> MedusaTrainArgs:
@@ -89,7 +90,7 @@ def test_features_of_another_run_are_reused(trained: Path, tiny_llama_dir: Path,
 
 
 def test_each_head_has_labels_only_inside_its_chunk() -> None:
-    from workers.train.features import FeatureSet
+    from training.features import FeatureSet
 
     fs = FeatureSet(torch.arange(10), torch.arange(10, dtype=torch.float16)[:, None].repeat(1, 4),
                     torch.tensor([0, 6, 10]))

@@ -15,11 +15,11 @@ import torch
 from helpers import TwoTokenCase
 from safetensors.torch import load_file, save_file
 
+from training.args import TrainError
+from training.model import WEIGHTS_FILE, ModelTrainArgs, train_model
 from workers.config import EngineConfig, ModelConfig, ModelDrafterConfig, TargetConfig
 from workers.sampling import SamplingParams
 from workers.target import DRAFT_VOCAB_FILE, SHARED_EMBEDDINGS_KEY, ModelLoadError, load_hf
-from workers.train.common import TrainError
-from workers.train.model import WEIGHTS_FILE, ModelTrainArgs, train_model
 
 
 def args_for(target: Path, out: Path, **kw) -> ModelTrainArgs:

@@ -3,7 +3,7 @@
 A GGUF file is dequantised by transformers once and saved as safetensors + tokenizer under the
 cache directory, keyed by the file's content hash, so later loads take about a second.
 
-A drafter distilled for a target (workers/train/model.py) is an ordinary Llama directory that may
+A drafter distilled for a target (training/model.py) is an ordinary Llama directory that may
 leave out its embeddings: they are the target's, frozen, so config.json says
 `specroute_shared_embeddings: true`, model.safetensors lacks `model.embed_tokens.weight` (and the
 tied lm_head), and whoever loads it passes the target's embedding matrix. It may also name a

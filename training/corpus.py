@@ -32,7 +32,7 @@ from typing import Any
 
 from policies.classifier import is_heldout
 
-SPEC_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
+SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 DOC_TOKEN_CAP = 4096
 SOURCE_KINDS = ("stdlib", "pydoc", "chat")
 HELDOUT_MOD = 5  # Spec-Bench's held-out split: question_id % 5 == 0 (bench --heldout-mod 5)

@@ -1,4 +1,5 @@
-"""Training an EAGLE-1 drafter head on the target's features (`specroute train-drafter --kind eagle`).
+"""The EAGLE-1 drafter kind (`specroute train-drafter --kind eagle`): a one-layer head trained on the
+target's features.
 
 Objective (EAGLE-1, Li et al. 2024): for pairs (f_t, x_{t+1}) predict f_{t+1}, teacher forced:
   loss = SmoothL1(pred, f_{t+1}) + w_cls * CE(p_target(f_{t+1}), p_draft(pred))
@@ -22,55 +23,29 @@ Initialization (so training starts from a sane point, not noise):
     by default: the regression then aims at exactly the space the target's head reads, and the
     head cannot drift from the target's (`--train-head` unfreezes it).
 
-Resumable without pickle: every `save_every` steps OUT/train_state/ gets the model, AdamW's state
-(safetensors) and the step, settings and history (JSON). The data order (a seeded permutation per
-epoch) and the noise (a generator reseeded from (seed, step) at every step) are functions of the
-step, so a resumed run repeats the uninterrupted one exactly. The extracted features are kept
-there too (features.safetensors; delete it when done: a resume then runs the target again).
+The noise comes from a generator reseeded from (seed, step) at every step, so, like the data
+order (training/loop.py), it is a function of the step and a resumed run repeats the
+uninterrupted one exactly.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from workers.config import ModelConfig
+from training.args import MIN_LR_RATIO, TrainArgs, TrainError
+from training.data import Window, draft_head_t
+from training.features import FeatureSet
+from training.output import data_section, last_entry, mat_section, run_lines, save_net, training_summary, windows_line
+from training.trainer import DrafterKind, train
 from workers.drafters.eagle import CheckpointError, EagleConfig, EagleNet
 from workers.models.llama import FastLlama
-from workers.target import load_model
-from workers.train.common import (
-    CARD_FILE,
-    MIN_LR_RATIO,
-    SAVE_DTYPES,
-    SPEC_BENCH_CATEGORIES,
-    STATE_DIR,
-    Batcher,
-    Checkpoint,
-    TrainError,
-    atomic_write_text,
-    check_common_args,
-    check_resume,
-    cosine_lr,
-    draft_vocab_of,
-    held_out_note,
-    held_out_split,
-    load_state,
-    new_record,
-    record_checkpoint,
-    resumed_record,
-    run_steps,
-    target_features,
-    train_device,
-    warmup_steps,
-)
-from workers.train.corpus import parse_sources
-from workers.train.features import FeatureSet
+from workers.target import LoadedModel
 
 FORMAT = "specroute-eagle-train/1"
 BETAS = (0.9, 0.95)  # EAGLE's AdamW betas
@@ -95,50 +70,32 @@ def unroll_text(unroll: int) -> str:
             "step j-1's predicted feature and attends as drafting does; the loss is summed over the steps.")
 
 
-@dataclass(frozen=True)
-class EagleTrainArgs:
-    target: str
-    data: str
-    out: str
-    max_tokens: int = 1_000_000
-    draft_vocab: int = 8192  # 0: the target's full vocabulary
-    chunk_len: int = 512  # tokens per target forward during feature extraction
-    steps: int = 2000
-    batch: int = 8
-    seq_len: int = 256  # pairs per training window
-    lr: float = 1e-4
-    warmup: int | None = None  # None: 5% of steps (1 .. 1000)
-    weight_decay: float = 0.0
+@dataclass(frozen=True, kw_only=True)
+class EagleTrainArgs(TrainArgs):
     w_cls: float = 0.1
     noise: float = 0.1  # half-width of the uniform noise on input features
     unroll: int = 1  # draft steps trained per position (1: EAGLE-1; more: the training-time test)
-    features: str | None = None  # an earlier run's features file instead of running the target
-    grad_clip: float = 0.5
-    seed: int = 0
-    device: str = "cpu"
-    save_every: int = 500
-    stop_at: int | None = None  # stop (with a checkpoint) after this step; --resume continues
     train_head: bool = False
     init: str = "target"  # "target": identity layer reading with the target's last layer; "random": torch's
     # init; else an EAGLE checkpoint folder to fine-tune from (its fc and layer; the head is this run's)
-    eval_windows: int = 64  # held-out windows, never trained on (of --data's: at most a tenth)
-    eval_data: str | None = None  # sources of separate held-out text (default: a share of --data's windows)
-    save_dtype: str = "float32"
-    resume: bool = False
-    command: str = ""
+    # EAGLE's defaults of the shared settings
+    batch: int = 8
+    seq_len: int = 256
+    lr: float = 1e-4
+    grad_clip: float = 0.5
+    eval_windows: int = 64
 
-    def warmup_steps(self) -> int:
-        return warmup_steps(self.warmup, self.steps)
-
-
-# settings that define the run: a resume must not change them (steps, stop_at, save_every, device may change)
-RESUME_MUST_MATCH = ("target", "data", "features", "max_tokens", "draft_vocab", "chunk_len", "batch", "seq_len", "lr",
-                     "warmup", "weight_decay", "w_cls", "noise", "unroll", "grad_clip", "seed", "train_head", "init",
-                     "eval_windows", "eval_data")
-
-
-def lr_at(step: int, args: EagleTrainArgs) -> float:
-    return cosine_lr(step, args.lr, args.steps, args.warmup_steps())
+    def check(self) -> None:
+        super().check()
+        if self.chunk_len < 2:
+            raise TrainError("--chunk-len must be at least 2 (one pair)")
+        if self.noise < 0 or self.w_cls < 0:
+            raise TrainError("--noise and --w-cls must be non-negative")
+        if self.unroll < 1:
+            raise TrainError(f"--unroll must be at least 1 (EAGLE-1's single step), got {self.unroll}")
+        if self.init not in INITS and not (Path(self.init) / "config.json").is_file():
+            raise TrainError(f"--init must be one of {', '.join(INITS)} or an EAGLE checkpoint folder; "
+                             f"no {Path(self.init) / 'config.json'}")
 
 
 def noise_seed(seed: int, step: int) -> int:
@@ -313,142 +270,84 @@ def eagle_loss(
     return objective, stats
 
 
+# -- the kind ---------------------------------------------------------------------------------------
 EVAL_STEPS = 2  # held-out agreement is reported for draft steps 1 and 2 at least (what k = 2 drafts)
 
 
-@torch.no_grad()
-def evaluate(net: EagleNet, parts: TargetParts, fs: FeatureSet, windows: list, batch: int, w_cls: float,
-             device: torch.device, unroll: int = 1) -> dict[str, float] | None:
-    """Step-1 loss terms and top-1 agreement (draft argmax == target argmax) on held-out windows, no
-    noise, and the agreement of later draft steps fed the head's own features."""
-    if not windows:
-        return None
-    sums: dict[str, float] = {}
-    total = 0
-    for i in range(0, len(windows), batch):
-        _, stats = eagle_loss(net, parts, gather(fs, windows[i : i + batch], device), w_cls,
-                              unroll=max(unroll, EVAL_STEPS))
-        n = stats.pop("n")
-        for k, v in stats.items():
-            sums[k] = sums.get(k, 0.0) + v * n  # later steps' counts differ by a position per window: negligible
-        total += int(n)
-    return {k: round(v / total, 6) for k, v in sums.items()} | {"pairs": total}
+class EagleKind(DrafterKind[EagleTrainArgs]):
+    name = "eagle"
+    format = FORMAT
+    betas = BETAS
+    reads = "EAGLE trains on"
+    count = "pairs"
+    record_lr = True
+    net: EagleNet
+    parts: TargetParts
+    vocab: torch.Tensor | None
+    generator: torch.Generator
 
+    def prepare(self, loaded: LoadedModel) -> None:
+        if self.args.chunk_len > loaded.model.info.max_position:
+            raise TrainError(f"--chunk-len {self.args.chunk_len} exceeds the target's "
+                             f"{loaded.model.info.max_position} positions")
 
-# -- state ------------------------------------------------------------------------------------------
-# -- the run ----------------------------------------------------------------------------------------
-def _check_args(args: EagleTrainArgs) -> None:
-    check_common_args(args, ("max_tokens", "chunk_len", "steps", "batch", "seq_len", "save_every"))
-    if args.chunk_len < 2:
-        raise TrainError("--chunk-len must be at least 2 (one pair)")
-    if args.noise < 0 or args.w_cls < 0:
-        raise TrainError("--noise and --w-cls must be non-negative")
-    if args.unroll < 1:
-        raise TrainError(f"--unroll must be at least 1 (EAGLE-1's single step), got {args.unroll}")
-    if args.init not in INITS and not (Path(args.init) / "config.json").is_file():
-        raise TrainError(f"--init must be one of {', '.join(INITS)} or an EAGLE checkpoint folder; "
-                         f"no {Path(args.init) / 'config.json'}")
+    def build(self, model: FastLlama, fs: FeatureSet, vocab: torch.Tensor | None
+              ) -> tuple[EagleNet, list[torch.nn.Parameter]]:
+        args, device = self.args, self.device
+        net = EagleNet(eagle_config_for(model, None if vocab is None else len(vocab)))
+        if args.init == "target":
+            init_from_target(net, model, vocab)
+        else:
+            init_head(net, model, vocab)
+            if args.init != "random":
+                init_from_checkpoint(net, args.init, model)
+        net.to(device)
+        if net.lm_head is not None:
+            net.lm_head.weight.requires_grad_(args.train_head)
+        max_t = min(args.seq_len, int((fs.bounds[1:] - fs.bounds[:-1]).max()) - 1)  # the longest window
+        self.parts = TargetParts(
+            embed=model.embed.to(device), head_t=draft_head_t(model, vocab).to(device=device, dtype=torch.float32),
+            cos=model.cos[:max_t].to(device=device, dtype=torch.float32),
+            sin=model.sin_signed[:max_t].to(device=device, dtype=torch.float32),
+        )
+        self.net, self.vocab, self.generator = net.train(), vocab, torch.Generator(device=device)
+        return net, [p for p in net.parameters() if p.requires_grad]
+
+    def annotate(self, record: dict[str, Any]) -> None:
+        record["draft_vocab"]["head"] = ("the target's own lm_head" if self.vocab is None
+                                         else "trainable" if self.args.train_head else "frozen")
+
+    def loss(self, fs: FeatureSet, windows: list[Window], step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        args = self.args
+        self.generator.manual_seed(noise_seed(args.seed, step))
+        return eagle_loss(self.net, self.parts, gather(fs, windows, self.device), args.w_cls, args.noise,
+                          self.generator, args.unroll)
+
+    def scores(self, fs: FeatureSet, windows: list[Window]) -> dict[str, float]:
+        """Step-1 loss terms and top-1 agreement (draft argmax == target argmax), no noise, and the
+        agreement of later draft steps fed the head's own features. Later steps' counts differ by a
+        position per window from step 1's "n": negligible in the average."""
+        return eagle_loss(self.net, self.parts, gather(fs, windows, self.device), self.args.w_cls,
+                          unroll=max(self.args.unroll, EVAL_STEPS))[1]
+
+    def report(self, train: dict[str, float] | None, scores: dict[str, float] | None) -> str:
+        return (", ".join(f"{k} {v:.4f}" for k, v in (train or {}).items())
+                + (f"; held out loss {scores['loss']:.4f} top1 {scores['top1']:.4f}" if scores else ""))
+
+    def summary(self, record: dict[str, Any]) -> dict[str, Any]:
+        return training_summary(record, self.args, train_final=True)
+
+    def save(self, out: Path, summary: dict[str, Any]) -> None:
+        """The EAGLE layout: config.json + model.safetensors."""
+        save_net(out, self.net, summary, self.args.save_dtype)
+
+    def card(self, record: dict[str, Any]) -> str:
+        return render_card(record, self.args, self.net.cfg)
 
 
 def train_eagle(args: EagleTrainArgs, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Train (or resume) an EAGLE-1 head; writes the drafter, CARD.md and train_state/ under args.out.
-    Returns the training record (also in config.json under `specroute_training`)."""
-    _check_args(args)
-    out = Path(args.out)
-    state_dir = out / STATE_DIR
-    saved = check_resume(out, args.resume, asdict(args), RESUME_MUST_MATCH)
-    if args.features is None:
-        parse_sources(args.data)  # bad sources fail before the target loads
-    device = train_device(args.device)
-
-    loaded = load_model(ModelConfig(model=args.target, device=args.device))
-    model = loaded.model
-    if not isinstance(model, FastLlama):
-        raise TrainError(f"--target {args.target}: EAGLE trains on the fast Llama backend's features; "
-                         "this architecture is not supported")
-    if args.chunk_len > model.info.max_position:
-        raise TrainError(f"--chunk-len {args.chunk_len} exceeds the target's {model.info.max_position} positions")
-
-    fs = target_features(model, loaded.tokenizer, state_dir, data=args.data, max_tokens=args.max_tokens,
-                         seed=args.seed, chunk_len=args.chunk_len, resume=args.resume, log=log, source=args.features)
-
-    vocab_size = model.info.vocab_size
-    vocab, coverage = draft_vocab_of(fs, model, args.draft_vocab)
-
-    torch.manual_seed(args.seed)  # --init random: torch's default initialization, reproducible
-    net = EagleNet(eagle_config_for(model, None if vocab is None else len(vocab)))
-    if args.init == "target":
-        init_from_target(net, model, vocab)
-    else:
-        init_head(net, model, vocab)
-        if args.init != "random":
-            init_from_checkpoint(net, args.init, model)
-    net.to(device)
-    if net.lm_head is not None:
-        net.lm_head.weight.requires_grad_(args.train_head)
-    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=args.lr, betas=BETAS,
-                            weight_decay=args.weight_decay)
-    head_t = model.lm_head.w_t if vocab is None else model.lm_head.w_t[:, vocab.to(model.device)]
-    max_t = min(args.seq_len, int((fs.bounds[1:] - fs.bounds[:-1]).max()) - 1)  # the longest window
-    parts = TargetParts(
-        embed=model.embed.to(device), head_t=head_t.to(device=device, dtype=torch.float32),
-        cos=model.cos[:max_t].to(device=device, dtype=torch.float32),
-        sin=model.sin_signed[:max_t].to(device=device, dtype=torch.float32),
-    )
-    held, train_windows = held_out_split(model, loaded.tokenizer, state_dir, fs, args, log)
-    if not train_windows:
-        raise TrainError(f"--data {args.data}: too little text to train on ({fs.num_tokens} tokens)")
-
-    record: dict[str, Any]
-    if saved is not None:
-        load_state(state_dir, net, opt)
-        record = resumed_record(saved, asdict(args), args.command)
-    else:
-        record = new_record(FORMAT, args, fs, held, train_windows, vocab, coverage, vocab_size,
-                            evaluate(net, parts, held.fs, held.windows, args.batch, args.w_cls, device, args.unroll))
-    record["draft_vocab"]["head"] = ("the target's own lm_head" if vocab is None
-                                     else "trainable" if args.train_head else "frozen")
-
-    start_step, stop = record["step"], min(args.steps, args.stop_at or args.steps)
-    if start_step >= stop:
-        log(f"the run is at step {start_step} already; --steps {args.steps} leaves nothing to train")
-    batcher = Batcher(train_windows, args.batch, args.seed)
-    generator = torch.Generator(device=device)
-
-    def loss_at(step: int) -> tuple[torch.Tensor, dict[str, float]]:
-        generator.manual_seed(noise_seed(args.seed, step))
-        return eagle_loss(net, parts, gather(fs, batcher.at(step), device), args.w_cls, args.noise, generator,
-                          args.unroll)
-
-    def on_checkpoint(cp: Checkpoint) -> None:
-        entry: dict[str, Any] = {"step": cp.step, "lr": lr_at(cp.step - 1, args),
-                                 "epoch": round(batcher.epoch_of(cp.step), 4)}
-        if cp.train:
-            entry["train"] = cp.train
-        entry["eval"] = evaluate(net, parts, held.fs, held.windows, args.batch, args.w_cls, device, args.unroll)
-        record_checkpoint(record, entry, cp.train_s, state_dir, net, opt)
-        write_drafter(out, net, record, args)
-        scores = entry["eval"]
-        log(f"step {cp.step}/{args.steps}: " + ", ".join(f"{k} {v:.4f}" for k, v in (cp.train or {}).items())
-            + (f"; held out loss {scores['loss']:.4f} top1 {scores['top1']:.4f}" if scores else ""))
-
-    net.train()
-    run_steps(opt, [p for p in net.parameters() if p.requires_grad], start=start_step, stop=stop,
-              save_every=args.save_every, grad_clip=args.grad_clip, desc="eagle", lr_at=lambda step: lr_at(step, args),
-              loss_at=loss_at, on_checkpoint=on_checkpoint, final=not (out / "config.json").is_file())
-    return record
-
-
-def write_drafter(out: Path, net: EagleNet, record: dict[str, Any], args: EagleTrainArgs) -> None:
-    """The drafter in the EAGLE layout (config.json + model.safetensors) and its CARD.md."""
-    cpu = copy.deepcopy(net).to("cpu")
-    cpu.to(SAVE_DTYPES[args.save_dtype])  # floating tensors only: draft_vocab stays int64
-    summary = {k: record[k] for k in ("format", "step", "train_s", "corpus", "windows", "draft_vocab", "eval_initial")}
-    summary |= {"steps": args.steps, "eval_final": (record["history"][-1]["eval"] if record["history"] else None),
-                "train_final": (record["history"][-1].get("train") if record["history"] else None),
-                "target": args.target, "data": args.data, "sessions": record["sessions"]}
-    cpu.save(out, extra_config={"specroute_training": summary})
-    atomic_write_text(out / CARD_FILE, render_card(record, args, net.cfg))
+    """Train (or resume) an EAGLE-1 head under args.out; returns the training record."""
+    return train(args, EagleKind, log)
 
 
 def _fmt_eval(ev: dict[str, float] | None) -> str:
@@ -460,13 +359,9 @@ def _fmt_eval(ev: dict[str, float] | None) -> str:
 
 
 def render_card(record: dict[str, Any], args: EagleTrainArgs, cfg: EagleConfig) -> str:
-    corpus, vocab = record["corpus"], record["draft_vocab"]
-    last = record["history"][-1] if record["history"] else {}
-    sources = "\n".join(f"| `{label}` | {s['documents']} | {s['tokens']} |" for label, s in corpus["sources"].items())
-    categories = "\n".join(f"| {c} | | | |" for c in SPEC_BENCH_CATEGORIES)
-    status = "complete" if record["step"] >= args.steps else f"partial: step {record['step']} of {args.steps}"
-    sessions = "\n".join(f"  - `{c}`" for c in record["sessions"])
-    tps = corpus.get("extract_tokens_per_s")
+    corpus, vocab, last = record["corpus"], record["draft_vocab"], last_entry(record)
+    features = (f"in {corpus.get('extract_s')} s ({corpus.get('extract_tokens_per_s')} tokens/s on "
+                f"{corpus.get('extract_device')})")
     params = sum(p.numel() for n, p in EagleNet(cfg).named_parameters() if not n.startswith("lm_head"))
     return f"""# EAGLE-1 drafter for `{args.target}`
 
@@ -477,22 +372,13 @@ drafters:
   - {{kind: eagle, name: eagle, path: {args.out}, draft_len: 4}}
 ```
 
-- Status: {status} ({record['updated']})
-- Commands (one per session; `--resume` continues):
-{sessions}
-- Training time: {record['train_s']:.1f} s of steps over {record['step']} steps; features: {corpus['tokens']} tokens
-  in {corpus.get('extract_s')} s ({tps} tokens/s on {corpus.get('extract_device')})
+{run_lines(record, args, features)}
 - Parameters: {params:,} (fc + decoder layer) + the draft head {vocab['size']} x {cfg.hidden_size} ({vocab['head']})
 
-## Data (never Spec-Bench's held-out split)
-
-| source | documents | tokens |
-|---|---|---|
-{sources}
+{data_section(record)}
 
 {corpus['chunks']} chunks of at most {args.chunk_len} tokens, teacher forced through the target (no
-generation). Training windows of at most {args.seq_len} pairs: {record['windows']['train']} trained on,
-{held_out_note(record)}
+generation). {windows_line(record, args, "pairs")}
 
 ## Draft vocabulary
 
@@ -516,11 +402,5 @@ Initialization (`--init {args.init}`): {init_text(args.init)}.
 - After step {record['step']}: {_fmt_eval(last.get('eval'))}
 - Last training average: {_fmt_eval(last.get('train')) if last.get('train') else 'n/a'}
 
-## Mean accepted tokens per step (MAT) on Spec-Bench, greedy
-
-To be filled in by `specroute bench` (draft_len and the number of prompts per category in the columns).
-
-| category | MAT | k | prompts |
-|---|---|---|---|
-{categories}
-"""
+{mat_section("To be filled in by `specroute bench` (draft_len and the number of prompts per category in the "
+             "columns).")}"""

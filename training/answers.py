@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from policies.classifier import is_heldout
-from workers.train.corpus import HELDOUT_MOD, SPEC_BENCH, CorpusError, _normalize, spec_bench_prompts
+from training.corpus import HELDOUT_MOD, SPEC_BENCH, CorpusError, _normalize, spec_bench_prompts
 
 
 @dataclass(frozen=True)
