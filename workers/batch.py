@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from workers.engine import Generation, PreparedStep, SpecEngine, StepOrder, StepStats
-from workers.models.base import ForwardOutput, SeqInput, forward_each
+from workers.models.base import BatchedLM, ForwardOutput, SeqInput, forward_each
 from workers.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class BatchEngine:
         if self.kv_cache_tokens is not None and model.device.type != "cpu":
             # an accelerator's pool is allocated whole (a CPU's is mapped as it is written)
             num_slots = max(1, min(num_slots, self.kv_cache_tokens // engine.max_model_len))
-        self.pool = model.new_pool(num_slots, engine.max_model_len) if hasattr(model, "new_pool") else None
+        self.pool = model.new_pool(num_slots, engine.max_model_len) if isinstance(model, BatchedLM) else None
         self.waiting: deque[Generation] = deque()
         self.running: list[Generation] = []
 
@@ -169,6 +169,6 @@ class BatchEngine:
 
     def _forward(self, inputs: Sequence[SeqInput]) -> list[ForwardOutput]:
         model, hidden = self.engine.target.model, self.engine.needs_hidden_states
-        if self.pool is not None:
+        if isinstance(model, BatchedLM):
             return model.forward_batch(inputs, return_hidden=hidden)
         return forward_each(model, inputs, hidden)

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from workers.drafters.base import Draft, DraftContext, full_vocab_probs, token_ids_of
+from workers.models.base import TargetView
 from workers.sampling import log_probs, probs_from_logits
 from workers.tree import TreeGrowth, grow_tree
 
@@ -223,18 +224,17 @@ class EagleDrafter:
     needs_hidden_states: ClassVar[bool] = True
     cheap: ClassVar[bool] = False
 
-    def __init__(self, config: Any, net: EagleNet, target: Any) -> None:
+    def __init__(self, config: Any, net: EagleNet, target: TargetView) -> None:
         self.config = config
         self.name = config.name
         self.net = net
-        self.target = target
         self.embed = target.embed  # [vocab, h]
-        self.cos, self.sin = target.cos, target.sin_signed  # [max_position, d]
+        self.cos, self.sin = target.cos, target.sin  # [max_position, d]
         if net.lm_head is not None:
             self.head_t = net.lm_head.weight.detach().t().contiguous()  # [h, draft_vocab]
             self.vocab_ids = net.draft_vocab
         else:
-            self.head_t = target.lm_head.w_t  # [h, vocab]
+            self.head_t = target.head_t  # [h, vocab]
             self.vocab_ids = None
         self.vocab_size = target.info.vocab_size
 

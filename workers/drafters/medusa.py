@@ -131,18 +131,22 @@ class MedusaDrafter:
     needs_hidden_states: ClassVar[bool] = True
     cheap: ClassVar[bool] = False
 
-    def __init__(self, config: Any, heads: MedusaHeads, target: Any) -> None:
+    def __init__(self, config: Any, heads: MedusaHeads, vocab_size: int, target_head_t: torch.Tensor | None) -> None:
+        """`target_head_t`: the target's output head ([h, vocab], TargetView.head_t), for heads
+        that share it (no head of their own and no vocabulary per head)."""
         self.config = config
         self.name = config.name
         self.heads = heads
-        self.vocab_size = target.info.vocab_size
+        self.vocab_size = vocab_size
         self.vocab_ids: torch.Tensor | None = None
         self.head_t: torch.Tensor | None = None  # [h, vocab'] when the heads share one
         if heads.lm_head is not None:
             self.head_t = heads.lm_head.weight.detach().t().contiguous()
             self.vocab_ids = heads.draft_vocab
         elif not heads.cfg.per_head_vocab:
-            self.head_t = target.lm_head.w_t
+            if target_head_t is None:
+                raise ValueError("heads without their own vocabulary head need the target's")
+            self.head_t = target_head_t
 
     def begin(self, ctx: DraftContext) -> None:
         return None

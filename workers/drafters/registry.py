@@ -66,7 +66,7 @@ def _build_eagle_drafter(config: EagleDrafterConfig, target: LoadedModel) -> Eag
         net = EagleNet.load(config.resolved_path(), model.info.hidden_size, model.info.vocab_size)
     except CheckpointError as e:
         raise ModelLoadError(f"drafter {config.name!r}: {e}") from None
-    return EagleDrafter(config, net.to(device=model.device, dtype=model.dtype), model)
+    return EagleDrafter(config, net.to(device=model.device, dtype=model.dtype), model.view())
 
 
 def _build_medusa_drafter(config: MedusaDrafterConfig, target: LoadedModel) -> MedusaDrafter:
@@ -78,7 +78,9 @@ def _build_medusa_drafter(config: MedusaDrafterConfig, target: LoadedModel) -> M
     if heads.lm_head is None and not heads.cfg.per_head_vocab and not isinstance(model, FastLlama):
         raise ModelLoadError(f"drafter {config.name!r}: heads without their own vocabulary head use the target's "
                              "lm_head, which needs the fast Llama backend")
-    return MedusaDrafter(config, heads.to(device=model.device, dtype=getattr(model, "dtype", torch.float32)), model)
+    head_t = model.view().head_t if isinstance(model, FastLlama) else None
+    return MedusaDrafter(config, heads.to(device=model.device, dtype=getattr(model, "dtype", torch.float32)),
+                         model.info.vocab_size, head_t)
 
 
 def build_drafter(config: DrafterConfig, target: LoadedModel, service: DraftService | None = None) -> Drafter:

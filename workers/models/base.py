@@ -1,16 +1,18 @@
 """The causal-LM interface the engine and the model drafter run on.
 
 A model owns weights; a cache owns one sequence's keys and values. `forward` appends the new
-tokens at `cache.length`; rolling back after a rejected draft is `cache.truncate(n)`.
-One sequence per `forward`; the fast Llama also runs several in one `forward_batch` over the
-slots of a KV pool (workers/models/llama.py), which continuous batching uses when present.
+tokens at `cache.length`; rolling back after a rejected draft is `cache.truncate(n)`, and after
+a draft tree `cache.keep(start, path)`. One sequence per `forward`; a `BatchedLM` (the fast
+Llama, workers/models/llama.py) also runs several in one `forward_batch` over the slots of a KV
+pool, which continuous batching uses when present. Feature drafters (EAGLE, Medusa) read the
+target through a `TargetView`: its embeddings, rotary tables and output head.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -45,6 +47,23 @@ class KVCache(Protocol):
     def truncate(self, length: int) -> None:
         """Forget every position >= length (rollback to an accepted prefix)."""
         ...
+
+    def keep(self, start: int, indices: Sequence[int]) -> None:
+        """Keep positions start + indices (ascending) of the last forward, moved to start,
+        start + 1, ...: a draft tree's accepted path. Only where the model supports trees."""
+        ...
+
+
+@dataclass(frozen=True)
+class TargetView:
+    """What a feature drafter (EAGLE, Medusa) computes with besides the target's features: the
+    target's own token embeddings, rotary tables and output head, shared, never copied."""
+
+    info: ModelInfo
+    embed: torch.Tensor  # [vocab, hidden]
+    cos: torch.Tensor  # [max_position, head_dim]
+    sin: torch.Tensor  # [max_position, head_dim], signed for rotate-half: x * cos + rotate(x) * sin
+    head_t: torch.Tensor  # [hidden, vocab]: logits = features @ head_t
 
 
 class CausalLM(Protocol):
@@ -86,3 +105,23 @@ def forward_each(model: CausalLM, inputs: Sequence[SeqInput], return_hidden: boo
                             return_hidden=return_hidden)
         outs.append(replace(out, logits=out.logits[:0]) if s.logits == "none" else out)
     return outs
+
+
+class KVPoolLike(Protocol):
+    """Slots of one shared KV memory, one sequence each (FastLlama's KVPool)."""
+
+    @property
+    def num_free(self) -> int: ...
+
+    def allocate(self) -> KVCache: ...
+
+    def release(self, cache: KVCache) -> None: ...
+
+
+@runtime_checkable
+class BatchedLM(Protocol):
+    """A model that runs several sequences' rows in one forward over the slots of its KV pool."""
+
+    def new_pool(self, num_slots: int, capacity: int) -> KVPoolLike: ...
+
+    def forward_batch(self, batch: Sequence[SeqInput], *, return_hidden: bool = False) -> list[ForwardOutput]: ...

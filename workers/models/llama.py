@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from workers.models.base import ForwardOutput, ModelInfo, SeqInput, forward_each
+from workers.models.base import ForwardOutput, ModelInfo, SeqInput, TargetView, forward_each
 from workers.models.quant import Int4Linear, Int4Weight
 from workers.tree import DraftTree
 
@@ -89,7 +89,11 @@ class StaticKVCache:
             raise ValueError(f"{self._length + n} positions exceed the cache capacity {self.capacity}")
         self._length += n
 
-    def keep(self, start: int, indices: list[int]) -> None:
+    def detach(self) -> None:
+        """Leave the pool (its slot was released): empty, and never written again."""
+        self.pool, self._length = None, 0
+
+    def keep(self, start: int, indices: Sequence[int]) -> None:
         """Keep the entries at start + indices (ascending), moved to start, start + 1, ...: a draft
         tree's accepted path becomes the contiguous sequence a chain would have left."""
         src = torch.tensor(indices, device=self.k.device) + start
@@ -159,7 +163,7 @@ class KVPool:
             _drop_pages(self.k[layer, cache.slot])
             _drop_pages(self.v[layer, cache.slot])
         heapq.heappush(self._free, cache.slot)
-        cache.pool, cache._length = None, 0
+        cache.detach()
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -338,6 +342,10 @@ class FastLlama:
         # rotate_half(x) * sin == x.roll(d / 2) * [-sin, sin]: one op instead of three
         half = self.head_dim // 2
         self.sin_signed = (torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1) * scale).to(self.dtype)
+
+    def view(self) -> TargetView:
+        """The tensors a feature drafter computes with (EAGLE, Medusa), shared with this model."""
+        return TargetView(self.info, self.embed, self.cos, self.sin_signed, self.lm_head.w_t)
 
     def new_cache(self, capacity: int) -> StaticKVCache:
         capacity = self._cache_capacity(capacity)
