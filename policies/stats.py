@@ -91,7 +91,8 @@ class SeriesPoint:
 
 @runtime_checkable
 class StatsStore(Protocol):
-    def record(self, record: Record) -> None: ...
+    def record(self, record: Record) -> None:
+        self.record_many((record,))
 
     def record_many(self, records: Iterable[Record]) -> None: ...
 
@@ -310,7 +311,7 @@ def _sum_buckets(buckets: Mapping[int, Counter[str]], ids: Iterable[int] | None)
 
 # -- backends ------------------------------------------------------------------------------------
 
-class MemoryStats:
+class MemoryStats(StatsStore):
     """In-process counters behind a lock: one router process, or tests."""
 
     backend = "memory"
@@ -321,9 +322,6 @@ class MemoryStats:
         self._lock = threading.Lock()
         self._buckets: dict[int, Counter[str]] = {}
         self._total: Counter[str] = Counter()
-
-    def record(self, record: Record) -> None:
-        self.record_many((record,))
 
     def record_many(self, records: Iterable[Record]) -> None:
         increments, num_steps = _increments(records)
@@ -361,7 +359,7 @@ class MemoryStats:
         return StoreHealth(self.backend, connected=True, num_errors=0, num_pending_local=0)
 
 
-class RedisStats:
+class RedisStats(StatsStore):
     """Counters in Redis, shared by every replica using the same prefix.
 
     Keys: `{prefix}:v1:total` (all time, no TTL) and `{prefix}:v1:b<bucket_s>:<bucket id>` (one
@@ -431,9 +429,6 @@ class RedisStats:
         self._retry_at = -math.inf
 
     # -- StatsStore ----------------------------------------------------------------------------
-    def record(self, record: Record) -> None:
-        self.record_many((record,))
-
     def record_many(self, records: Iterable[Record]) -> None:
         increments, num_steps = _increments(records)
         if not num_steps:
