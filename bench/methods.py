@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -28,7 +28,7 @@ from bench.summary import PLAIN_METHOD
 from workers.config import EngineConfig, ModelDrafterConfig
 from workers.drafters.suffix import SuffixCaches, SuffixDrafter
 from workers.engine import PLAIN, GenerationResult, SpecEngine
-from workers.routing import Router, RoutingReport
+from workers.routing import Router
 from workers.routing import generate as route
 from workers.sampling import SamplingParams
 
@@ -109,13 +109,11 @@ class RouterMethod:
     def run(self, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int) -> RunRecord:
         params = SamplingParams(max_tokens=max_tokens)  # greedy
         t0 = time.perf_counter()
-        routed = route(self.router, prompt_ids, params, prompt.text)
-        return engine_record(prompt, self.name, routed.generation, time.perf_counter() - t0,
-                             routing_summary(routed.routing))
+        result = route(self.router, prompt_ids, params, prompt.text)
+        return engine_record(prompt, self.name, result, time.perf_counter() - t0)
 
 
-def engine_record(prompt: BenchPrompt, method: str, result: GenerationResult, wall_s: float,
-                  routing: dict[str, Any] | None = None) -> RunRecord:
+def engine_record(prompt: BenchPrompt, method: str, result: GenerationResult, wall_s: float) -> RunRecord:
     """The record of one run of our engine, routed or not: its counts and timings per step."""
     return RunRecord(
         question_id=prompt.question_id, category=prompt.category, method=method,
@@ -123,19 +121,10 @@ def engine_record(prompt: BenchPrompt, method: str, result: GenerationResult, wa
         num_steps=result.num_steps, num_draft_tokens=result.num_draft_tokens,
         num_accepted_tokens=result.num_accepted_tokens,
         accepted_per_position=result.accepted_per_position, drafted_per_position=result.drafted_per_position,
-        routing=routing, draft_s=sum(s.draft_s for s in result.steps), verify_s=sum(s.verify_s for s in result.steps),
+        routing=result.routing.to_json() if result.routing is not None else None,
+        draft_s=sum(s.draft_s for s in result.steps), verify_s=sum(s.verify_s for s in result.steps),
         ttft_s=result.ttft_s, first_draft_s=result.steps[0].draft_s if result.steps else None,
     )
-
-
-def routing_summary(report: RoutingReport) -> dict[str, Any]:
-    return {
-        "domain": report.domain, "drafter": report.drafter, "draft_len": report.draft_len,
-        "reason": report.reason, "predicted_speedup": round(report.predicted_speedup, 4),
-        "fallbacks": list(report.fallbacks),
-        "schedule": [[s.drafter, s.draft_len, s.num_steps] for s in report.schedule],
-        "context": [asdict(span) for span in report.context],
-    }
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from policies.acceptance import Acceptance
-from policies.cost import ALONE, BestDraftLen, CostTable, RoundLoad, best_draft_len, predicted_speedup
+from policies.cost import BestDraftLen, CostTable, best_draft_len, predicted_speedup
 from policies.records import PLAIN, AcceptanceCounts
 from policies.schema import MAX_DRAFT_LEN, DomainPolicy, ExplorationSettings
 from policies.selector import (
@@ -32,7 +32,7 @@ REQUEST_PRIOR_STEPS = 8.0  # weight of the global estimate against one request's
 
 @dataclass(frozen=True)
 class FirstTry:
-    """A cheap drafter the engine asks before the step's drafter (DomainPolicy.cheap_first): its
+    """A cheap drafter asked before the step's drafter (DomainPolicy.cheap_first): its
     draft of up to `draft_len` tokens takes the step when it proposes any."""
 
     drafter: str
@@ -76,11 +76,11 @@ class StepController:
 
     Each drafter's estimate starts as the plan's (global) estimate, worth REQUEST_PRIOR_STEPS
     steps, and adds this request's own steps and shadow scores. Every step picks the drafter
-    and k with the best predicted speedup: of the replica's throughput, when `load` says other
-    requests share the replica (policies/cost.py), so a drafter that speeds this request up
-    by slowing the others more is turned down. Drafting stops when it falls below the domain's
-    fallback threshold and resumes only above threshold + hysteresis; meanwhile a drafter that
-    gets no shadow scores (not cheap) is probed every `probe_every_steps` steps at k_min.
+    and k with the best predicted speedup as if the request ran alone; in a batch the goodput
+    rule (policies/batching.py) then caps k against the other requests' rows. Drafting stops
+    when it falls below the domain's fallback threshold and resumes only above threshold +
+    hysteresis; meanwhile a drafter that gets no shadow scores (not cheap) is probed every
+    `probe_every_steps` steps at k_min.
     """
 
     def __init__(
@@ -105,8 +105,6 @@ class StepController:
         # the reason of each switch to plain, a plan that starts plain included
         self.fallbacks: list[str] = [LOW_SPEEDUP] if plan.reason == FALLBACK else []
         self.trajectory: list[tuple[str, int]] = []  # (drafter, k) per step
-        # the other requests of the replica (policies/cost.py), set before each step by the caller
-        self.load: RoundLoad = ALONE
 
     def rebase(self, plan: Plan) -> None:
         """The request reached another context bucket: that bucket's global estimates and step
@@ -136,9 +134,9 @@ class StepController:
                 continue
             est = self.estimate(name)
             costs = self.costs.for_estimate(name, est)
-            best = best_draft_len(est.prefix, costs, self.dp.k_min, self.dp.k_max, self.load)
+            best = best_draft_len(est.prefix, costs, self.dp.k_min, self.dp.k_max)
             if best.draft_len == 0 and not self.fallback_allowed:  # no plain to fall back to: draft least
-                best = BestDraftLen(self.dp.k_min, predicted_speedup(est.prefix, self.dp.k_min, costs, self.load))
+                best = BestDraftLen(self.dp.k_min, predicted_speedup(est.prefix, self.dp.k_min, costs))
             arms.append(ArmValue(name, best.draft_len, best.speedup, best.speedup, est.weight[0]))
         return sorted(arms, key=lambda a: -a.predicted_speedup)
 
@@ -165,9 +163,7 @@ class StepController:
             return StepChoice(best.drafter, best.draft_len, reason, best.predicted_speedup)
         # plain: come back when the estimate clears threshold + hysteresis, or probe
         self._plain_steps += 1
-        # under load a request's own gain moves the replica's throughput by about 1 / (1 + B) of it:
-        # the hysteresis shrinks alike, or a shared replica would never come back
-        if best is not None and best.predicted_speedup > threshold + self.dp.hysteresis / (1 + self.load.plain_steps):
+        if best is not None and best.predicted_speedup > threshold + self.dp.hysteresis:
             self.plain = False
             return StepChoice(best.drafter, best.draft_len, RECOVER, best.predicted_speedup)
         if self._plain_steps % self.exploration.probe_every_steps == 0:
@@ -191,8 +187,7 @@ class StepController:
                 continue
             given = tuple(min(1.0, p / est.proposes) for p in est.prefix)
             reach = None if est.proposed is None else tuple(min(1.0, r / est.proposes) for r in est.proposed)
-            arm = best_draft_len(given, self.costs.for_drafter(name, 1.0, reach), self.dp.k_min, self.dp.k_max,
-                                 self.load)
+            arm = best_draft_len(given, self.costs.for_drafter(name, 1.0, reach), self.dp.k_min, self.dp.k_max)
             if arm.draft_len:
                 given_arms.append((name, arm))
         if not given_arms:

@@ -13,13 +13,8 @@ with probability r_i (non-increasing in i) and
 which is m T(1 + k) + (1 - m) T(1) for a drafter that proposes all k tokens or none (a trained
 model: r_i = m). The prefix probabilities count unproposed positions as rejected.
 
-A replica interleaves its requests step by step, so a request's longer step delays every other
-request's next token. With the others emitting A tokens per round in steps worth B plain steps
-(`RoundLoad`), the replica's throughput with this request drafting k, over its throughput with
-this request decoding plainly, is
-    (A + E(k)) (B + 1) / ((A + 1) (B + c(k))),    c(k) = (t_draft(k) + t_verify(k)) / t_plain,
-which is the speedup above when the request runs alone (A = B = 0), and below 1 when drafting's
-marginal tokens per marginal plain step, (E(k) - 1) / (c(k) - 1), fall short of the round's rate.
+Under continuous batching the step is shared: the batch's goodput rule (policies/batching.py)
+prices every request's draft rows against the others'.
 Pure functions: no I/O, no clock, no randomness.
 """
 
@@ -120,31 +115,15 @@ def expected_rows(rates: Sequence[float] | None, rate: float, k: int) -> float:
     return sum(position_rates(rates, rate, k))
 
 
-@dataclass(frozen=True)
-class RoundLoad:
-    """The requests a replica interleaves with this one, per round (one step each): the tokens
-    they emit and what their steps cost, in plain steps of this replica. Zero: alone."""
-
-    tokens: float = 0.0
-    plain_steps: float = 0.0
-
-
-ALONE = RoundLoad()
-
-
-def predicted_speedup(prefix: Sequence[float], k: int, costs: StepCosts, load: RoundLoad = ALONE) -> float:
-    """The replica's throughput with this request drafting k tokens per step over its throughput
-    with the request decoding plainly (1.0 at k = 0); alone, the request's own speedup."""
+def predicted_speedup(prefix: Sequence[float], k: int, costs: StepCosts) -> float:
+    """The request's tokens per second drafting k tokens a step over decoding plainly (1.0 at k = 0)."""
     if k == 0:
         return 1.0
-    return _speedup(expected_tokens(prefix, k), costs.step_s(k), costs.plain_s, load)
+    return _speedup(expected_tokens(prefix, k), costs.step_s(k), costs.plain_s)
 
 
-def _speedup(tokens: float, step_s: float, plain_s: float, load: RoundLoad) -> float:
-    if step_s <= 0:
-        return math.inf
-    c = step_s / plain_s
-    return (load.tokens + tokens) * (load.plain_steps + 1.0) / ((load.tokens + 1.0) * (load.plain_steps + c))
+def _speedup(tokens: float, step_s: float, plain_s: float) -> float:
+    return tokens * plain_s / step_s if step_s > 0 else math.inf
 
 
 @dataclass(frozen=True)
@@ -153,8 +132,7 @@ class BestDraftLen:
     speedup: float
 
 
-def best_draft_len(prefix: Sequence[float], costs: StepCosts, k_min: int, k_max: int,
-                   load: RoundLoad = ALONE) -> BestDraftLen:
+def best_draft_len(prefix: Sequence[float], costs: StepCosts, k_min: int, k_max: int) -> BestDraftLen:
     """The k in [k_min, k_max] with the highest predicted speedup; k = 0 (plain) when none beats 1."""
     best = BestDraftLen(0, 1.0)
     top = min(k_max, costs.max_k)
@@ -163,7 +141,7 @@ def best_draft_len(prefix: Sequence[float], costs: StepCosts, k_min: int, k_max:
     steps_s, tokens = costs.steps_s(top), 1.0
     for k in range(1, top + 1):
         tokens += prefix[k - 1] if k <= len(prefix) else 0.0
-        if k >= k_min and (speedup := _speedup(tokens, steps_s[k], costs.plain_s, load)) > best.speedup:
+        if k >= k_min and (speedup := _speedup(tokens, steps_s[k], costs.plain_s)) > best.speedup:
             best = BestDraftLen(k, speedup)
     return best
 

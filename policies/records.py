@@ -63,7 +63,7 @@ class StepLike(Protocol):
 
 
 class ShadowLike(Protocol):
-    """What `ShadowRecord.from_score` reads: the engine's ShadowScore."""
+    """What `ShadowRecord.from_score` reads: a ShadowScore (workers/shadows.py)."""
 
     drafter: str
     context_len: int

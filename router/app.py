@@ -73,8 +73,9 @@ from router.schemas import (
     Usage,
 )
 from router.stats_view import stats_json
-from workers.config import EngineConfig, ModelDrafterConfig, RoutingConfig
-from workers.deployment import Chunk, DrafterWorker, FinalStats, GenerateRequest, InvalidRequest, TargetWorker
+from workers.config import PLAIN, EngineConfig, ModelDrafterConfig, RoutingConfig
+from workers.deployment import Chunk, DrafterWorker, GenerateRequest, TargetWorker
+from workers.result import GenerationResult, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ def _as_api_error(e: BaseException) -> APIError:
     """An error from a worker call, unwrapped from Ray's wrappers."""
     while isinstance(e, RayTaskError) and e.cause is not None:
         e = e.cause
-    if isinstance(e, InvalidRequest):
+    if isinstance(e, RequestError):
         return APIError(400, e.message, e.param, e.code)
     if isinstance(e, APIError):
         return e
@@ -285,22 +286,26 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
 
 
 # -- the ingress ---------------------------------------------------------------------------------
-def _speculation_info(stats: FinalStats) -> SpeculationInfo:
+def _speculation_info(result: GenerationResult) -> SpeculationInfo:
+    r = result.routing
+    routed = {} if r is None else {
+        "domain": r.domain, "policy_version": r.policy_version, "reason": r.reason,
+        "drafter": r.drafter, "draft_len": r.draft_len, "fallback_reason": r.fallback_reason,
+        "schedule": [[s.drafter, s.draft_len, s.num_steps] for s in r.schedule], "fallbacks": list(r.fallbacks),
+        "context": [ContextSpanInfo(**asdict(span)) for span in r.context],
+    }
     return SpeculationInfo(
-        domain=stats.domain, policy_version=stats.policy_version, reason=stats.reason,
-        schedule=[list(segment) for segment in stats.schedule], fallbacks=stats.fallbacks,
-        context=[ContextSpanInfo(**asdict(span)) for span in stats.context],
-        drafter=stats.drafter, draft_len=stats.draft_len, drafters=stats.drafters_used,
-        num_steps=stats.num_steps, num_draft_tokens=stats.num_draft_tokens,
-        num_accepted_tokens=stats.num_accepted_tokens,
-        mean_acceptance_length=round(stats.mean_acceptance_length, 4),
-        acceptance_histogram=stats.accepted_per_position, fallback_reason=stats.fallback_reason,
+        **({"drafter": PLAIN, "draft_len": 0} | routed), drafters=result.drafters,
+        num_steps=result.num_steps, num_draft_tokens=result.num_draft_tokens,
+        num_accepted_tokens=result.num_accepted_tokens,
+        mean_acceptance_length=round(result.mean_acceptance_length, 4),
+        acceptance_histogram=result.accepted_per_position,
     )
 
 
-def _usage(stats: FinalStats) -> Usage:
-    return Usage(prompt_tokens=stats.num_prompt_tokens, completion_tokens=stats.num_completion_tokens,
-                 total_tokens=stats.num_prompt_tokens + stats.num_completion_tokens)
+def _usage(result: GenerationResult) -> Usage:
+    return Usage(prompt_tokens=result.num_prompt_tokens, completion_tokens=result.num_completion_tokens,
+                 total_tokens=result.num_prompt_tokens + result.num_completion_tokens)
 
 
 def _sse(data: BaseModel | dict[str, Any], drop: tuple[str, ...] = ()) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from router.serve import ServeError
 from workers.config import DEFAULT_TARGET_MODEL, PLAIN, ConfigError, RoutingConfig, load_engine_config
+from workers.result import RequestError
 
 DEFAULT_SERVE_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve.cpu.yaml"
 
@@ -68,8 +69,8 @@ def _draft_len(text: str) -> int | None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from policies.schema import PolicyError
     from policies.stats import MemoryStats
-    from workers.engine import RequestError, SpecEngine
-    from workers.routing import AUTO, Router, Speculation
+    from workers.engine import SpecEngine
+    from workers.routing import Router, Speculation
     from workers.routing import generate as route
     from workers.sampling import SamplingParams
     from workers.target import ModelLoadError
@@ -85,36 +86,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise CLIError(str(e)) from None
-    names = [d.name for d in config.drafters]
-    if args.drafter not in (AUTO, PLAIN, *names):
-        raise CLIError(f"unknown drafter {args.drafter!r}; configured: {', '.join([AUTO, PLAIN, *names])}")
     try:
         engine = SpecEngine.from_config(config)
         # one request: a measured cost curve would cost more than it could save
         router = Router.from_config(engine, routing.model_copy(update={"calibrate": False}), MemoryStats())
         prompt_ids = engine.encode(args.prompt, chat=not args.raw)
-        routed = route(router, prompt_ids, params, args.prompt, Speculation(args.drafter, args.draft_len))
-    except (RequestError, ModelLoadError, PolicyError) as e:
+        result = route(router, prompt_ids, params, args.prompt, Speculation(args.drafter, args.draft_len))
+    except (ModelLoadError, PolicyError) as e:
         raise CLIError(str(e)) from None
 
-    result, report = routed.generation, routed.routing
     if not args.json:
         print(result.text)
         return 0
+    assert result.routing is not None
     print(json.dumps({
         "text": result.text,
         "token_ids": result.token_ids,
         "finish_reason": result.finish_reason,
-        "domain": report.domain,
-        "drafter": report.drafter,
-        "draft_len": report.draft_len,
+        **result.routing.to_json(),
         "drafters_used": result.drafters,
-        "policy_version": report.policy_version,
-        "reason": report.reason,
-        "schedule": [[s.drafter, s.draft_len, s.num_steps] for s in report.schedule],
-        "fallbacks": list(report.fallbacks),
-        "context": [dataclasses.asdict(span) for span in report.context],
-        "num_prompt_tokens": len(prompt_ids),
+        "num_prompt_tokens": result.num_prompt_tokens,
         "num_steps": result.num_steps,
         "num_draft_tokens": result.num_draft_tokens,
         "num_accepted_tokens": result.num_accepted_tokens,
@@ -466,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (CLIError, ConfigError, ServeError) as e:  # the user's mistake: one line, exit status 2
+    except (CLIError, ConfigError, ServeError, RequestError) as e:  # the user's mistake: one line, exit status 2
         print(f"specroute {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

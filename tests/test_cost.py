@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 
 from policies.cost import (
-    ALONE,
-    RoundLoad,
     StepCosts,
     best_draft_len,
     expected_tokens,
@@ -85,34 +83,6 @@ def test_a_drafter_that_often_proposes_nothing_costs_less_per_step() -> None:
     steep = StepCosts(1.0, 0.0, [1.0 + 0.3 * k for k in range(9)])
     assert predicted_speedup(prefix, 4, half) > 1.0 > predicted_speedup(prefix, 4, steep)
     assert best_draft_len(prefix, half, 1, 4).draft_len > 0
-
-
-# -- sharing a replica ---------------------------------------------------------------------------
-@pytest.mark.parametrize(("prefix", "k", "load", "expected"), [
-    # alone: the request's own speedup
-    ([0.9, 0.8], 2, ALONE, 2.7 / 1.2),
-    # one other request emitting 3 tokens per plain step: a drafter worth 1.6 tokens per 1.1 steps
-    # (1.45x alone) adds 0.6 tokens per 0.1 extra step = 6 > the round's 4 / 2: still pays
-    ([0.6], 1, RoundLoad(3.0, 1.0), (3 + 1.6) * 2 / (4 * 2.1)),
-    # ... but 1.3 tokens per 1.1 steps (1.18x alone) adds 0.3 per 0.1 = 3 > 2: pays a little
-    ([0.3], 1, RoundLoad(3.0, 1.0), (3 + 1.3) * 2 / (4 * 2.1)),
-    # a weak drafter under a fast round: 1.15 tokens per 1.1 steps (1.05x alone): 1.5 < 2: loses
-    ([0.15], 1, RoundLoad(3.0, 1.0), (3 + 1.15) * 2 / (4 * 2.1)),
-])
-def test_speedup_under_load_is_the_replicas_throughput_ratio(prefix, k, load, expected) -> None:
-    assert predicted_speedup(prefix, k, COSTS, load) == pytest.approx(expected)
-
-
-def test_under_load_drafting_pays_iff_its_marginal_rate_beats_the_rounds() -> None:
-    load = RoundLoad(tokens=3.0, plain_steps=1.0)  # the round's rate with this request plain: 4 / 2
-    for a in (0.1, 0.15, 0.19, 0.21, 0.3, 0.9):
-        marginal = a / 0.1  # (E - 1) / (c - 1) at k = 1
-        alone, shared = predicted_speedup([a], 1, COSTS), predicted_speedup([a], 1, COSTS, load)
-        assert alone > 1.0 or a == 0.1  # every one of these beats plain when alone (0.1: exactly 1)
-        assert (shared > 1.0) == (marginal > 2.0), (a, shared)
-    weak = prefix_acceptance([0.15] * 16)
-    assert best_draft_len(weak, COSTS, 1, 16, load).draft_len == 0  # turned down: plain
-    assert best_draft_len(weak, COSTS, 1, 16).draft_len == 1  # alone it drafts
 
 
 def test_a_drafter_that_proposes_short_is_priced_by_the_positions_it_proposes() -> None:

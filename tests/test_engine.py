@@ -16,13 +16,14 @@ import pytest
 import torch
 from helpers import TwoTokenCase
 
-from policies.controller import FirstTry
+from policies.controller import FirstTry, StepChoice
 from workers.config import EngineConfig, ModelConfig, ModelDrafterConfig, NgramDrafterConfig
 from workers.drafters.base import Draft, DraftContext
 from workers.drafters.model import ModelDrafter
 from workers.engine import PLAIN, Generation, GenerationResult, RequestError, SpecEngine, StepStats
 from workers.models.llama import FastLlama
 from workers.sampling import SamplingParams
+from workers.shadows import CheapDrafters, ShadowScore
 from workers.target import eos_token_ids, load_hf
 
 MAX_TOKENS = 40
@@ -41,6 +42,11 @@ RAW_REPEAT = "Count: one two three four five six seven eight nine ten one two"
 
 def greedy(max_tokens: int = MAX_TOKENS, **kw: Any) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, **kw)
+
+
+def choice(drafter: str, k: int, first: list[FirstTry] | tuple[FirstTry, ...] = ()) -> StepChoice:
+    """A controller's choice of drafter and k, with cheap drafters to try first."""
+    return StepChoice(drafter, k, "forced", 1.0, tuple(first))
 
 
 class ScriptedDrafter:
@@ -234,12 +240,14 @@ def test_shadow_scores_are_exact_and_change_nothing(
     scripted = ScriptedDrafter("scripted", prompt, reference, wrong_at)
     eng = with_drafters(engine, scripted=scripted)
     gen = eng.start(prompt, greedy())
+    cheap = CheapDrafters(gen, ["scripted"])
+    scores: list[ShadowScore] = []
     while not gen.finished:
-        gen.step(drafter, k, shadow=["scripted"])
+        gen.run(cheap.order(choice(drafter, k)))
+        scores += cheap.scores()
     result = gen.result()
     gen.close()
     assert_same_output(result, plain(engine, prompt))
-    scores = [score for s in result.steps for score in s.shadows]
     assert sorted(score.context_len for score in scores) == [s.context_len for s in result.steps]
     limit = eng.config.max_draft_len
     for score in scores:
@@ -536,29 +544,36 @@ def test_a_cheap_drafter_tried_first_takes_only_the_steps_it_proposes_on(
     """`first`: prompt lookup runs the steps where it finds a match, the named drafter the rest;
     greedy output stays plain decoding's, and a silent lookup is still scored as a shadow."""
     repeat = prompts[-1]  # ends with "one two": lookup proposes at once
+
+    def step(gen: Generation, first: list[FirstTry], shadow: tuple[str, ...] = ("ngram",)) -> tuple[StepStats, tuple]:
+        cheap = CheapDrafters(gen, shadow)
+        stats = gen.run(cheap.order(choice("perturbed", 3, first)))
+        return stats, cheap.scores()
+
     gen = engine.start(repeat, greedy(8))
-    stats = gen.step("perturbed", 3, shadow=("ngram",), first=[FirstTry("ngram", 2)])
+    stats, _ = step(gen, [FirstTry("ngram", 2)])
     assert stats.drafter == "ngram" and stats.draft_len == 2 and 1 <= stats.num_draft_tokens <= 2
     gen.close()
     novel = engine.encode("Zebra quantum", chat=False)  # nothing to look up
     gen = engine.start(novel, greedy(8))
-    stats = gen.step("perturbed", 3, shadow=("ngram",), first=[FirstTry("ngram", 2)])
+    stats, scores = step(gen, [FirstTry("ngram", 2)])
     assert stats.drafter == "perturbed" and stats.num_draft_tokens == 3
-    assert [(s.drafter, s.num_proposed) for s in stats.shadows] == [("ngram", 0)]  # the silent step counts
+    assert [(s.drafter, s.num_proposed) for s in scores] == [("ngram", 0)]  # the silent step counts
     gen.close()
     # a silent first try falls through to the next one, and only then to the step's drafter
     gen = engine.start(novel, greedy(8))
-    stats = gen.step("perturbed", 3, shadow=("ngram",), first=[FirstTry("ngram", 2), FirstTry("self", 2)])
+    stats, scores = step(gen, [FirstTry("ngram", 2), FirstTry("self", 2)])
     assert stats.drafter == "self" and stats.draft_len == 2 and stats.num_draft_tokens == 2
-    assert [(s.drafter, s.num_proposed) for s in stats.shadows] == [("ngram", 0)]
+    assert [(s.drafter, s.num_proposed) for s in scores] == [("ngram", 0)]
     gen.close()
     gen = engine.start(repeat, greedy(8))
-    assert gen.step("perturbed", 3, first=[FirstTry("ngram", 2), FirstTry("self", 2)]).drafter == "ngram"
+    assert step(gen, [FirstTry("ngram", 2), FirstTry("self", 2)], shadow=())[0].drafter == "ngram"
     gen.close()
     for prompt in prompts:
         gen = engine.start(prompt, greedy(60))
+        cheap = CheapDrafters(gen, ("ngram",))
         while not gen.finished:
-            gen.step("perturbed", 3, shadow=("ngram",), first=[FirstTry("ngram", 4)])
+            gen.run(cheap.order(choice("perturbed", 3, [FirstTry("ngram", 4)])))
         result = gen.result()
         gen.close()
         assert_same_output(result, plain(engine, prompt, greedy(60)))

@@ -124,11 +124,10 @@ def test_a_request_entering_another_context_bucket_is_replanned(tiny_engine: Spe
                                                          decide(policy, features, candidates))[1]
     prompt = token_ids(tiny_engine, 500)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    routed = generate(router, prompt, params, "a long list")
-    spans = routed.routing.context
+    result = generate(router, prompt, params, "a long list")
+    spans = result.routing.context
     assert [s.bucket for s in spans] == ["0-512", "512-1k"]
     assert decided[0] == 500 and len(decided) == 2 and 512 <= decided[1] < 512 + 16
-    result = routed.generation
     assert sum(s.num_steps for s in spans) == result.num_steps
     assert sum(s.num_tokens for s in spans) == len(result.token_ids) == 40
     assert sum(s.num_accepted_tokens for s in spans) == result.num_accepted_tokens

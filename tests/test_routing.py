@@ -74,12 +74,12 @@ def run(router: Router, text: str, speculation: Speculation | None = None, max_t
 def test_routed_output_is_plain_decoding(router: Router, text: str) -> None:
     for _ in range(3):  # statistics accumulate; later requests are planned from them
         routed = run(router, text)
-        assert routed.generation.token_ids == plain_ids(router.engine, text)
+        assert routed.token_ids == plain_ids(router.engine, text)
 
 
 def test_report_and_records(router: Router) -> None:
     routed = run(router, TEXTS[0])
-    report, result = routed.routing, routed.generation
+    report, result = routed.routing, routed
     assert (report.domain, report.domain_source, report.policy_version) == ("summarization", "rule", "test-1")
     assert report.drafter in ("ngram", PLAIN)
     assert sum(s.num_steps for s in report.schedule) == result.num_steps
@@ -103,13 +103,13 @@ def test_cheap_first_lets_prompt_lookup_take_the_steps_it_matches(tiny_engine: S
     router = Router(tiny_engine, load_policy(policy), MemoryStats(), seed=0)
     text = "Count: one two three four five six seven eight nine ten one two"
     routed = generate(router, tiny_engine.encode(text, chat=False), greedy(48), text, Speculation())
-    assert routed.generation.token_ids == tiny_engine.generate(tiny_engine.encode(text, chat=False), greedy(48)).token_ids
-    ran = {s.drafter for s in routed.generation.steps}
+    assert routed.token_ids == tiny_engine.generate(tiny_engine.encode(text, chat=False), greedy(48)).token_ids
+    ran = {s.drafter for s in routed.steps}
     assert {"ngram", "other"} <= ran, ran
-    assert sum(s.num_steps for s in routed.routing.schedule) == routed.generation.num_steps
+    assert sum(s.num_steps for s in routed.routing.schedule) == routed.num_steps
     assert {s.drafter for s in routed.routing.schedule} == ran
     counts = router.store.snapshot()
-    assert counts.counts("chat", "ngram").num_steps == sum(s.drafter == "ngram" for s in routed.generation.steps)
+    assert counts.counts("chat", "ngram").num_steps == sum(s.drafter == "ngram" for s in routed.steps)
 
 
 def test_router_learns_acceptance_and_plans_the_best_predicted_arm(router: Router) -> None:
@@ -117,7 +117,7 @@ def test_router_learns_acceptance_and_plans_the_best_predicted_arm(router: Route
     estimates that, and the plan is the arm with the best predicted speedup unless exploring.
     (Which arm that is depends on measured costs: `self` costs a target forward per token.)"""
     for name in ("self", "other", "self", "other"):  # the request names the drafter, the policy picks k
-        assert run(router, TEXTS[1], Speculation(name)).generation.token_ids == plain_ids(router.engine, TEXTS[1])
+        assert run(router, TEXTS[1], Speculation(name)).token_ids == plain_ids(router.engine, TEXTS[1])
     routed = run(router, TEXTS[1])
     rs = router.start(router.engine.encode(TEXTS[1]), greedy(4), TEXTS[1])
     rs.close()
@@ -128,7 +128,7 @@ def test_router_learns_acceptance_and_plans_the_best_predicted_arm(router: Route
     best = max(arms.values(), key=lambda a: a.predicted_speedup)
     if rs.plan.reason == "best":
         assert rs.plan.drafter == best.drafter
-    assert routed.generation.token_ids == plain_ids(router.engine, TEXTS[1])
+    assert routed.token_ids == plain_ids(router.engine, TEXTS[1])
 
 
 @pytest.mark.parametrize("speculation, expect", [
@@ -138,7 +138,7 @@ def test_router_learns_acceptance_and_plans_the_best_predicted_arm(router: Route
 ])
 def test_forced_drafter_and_k(router: Router, speculation: Speculation, expect: list[tuple[str, int]]) -> None:
     routed = run(router, TEXTS[1], speculation)
-    assert routed.generation.token_ids == plain_ids(router.engine, TEXTS[1])
+    assert routed.token_ids == plain_ids(router.engine, TEXTS[1])
     assert [(s.drafter, s.draft_len) for s in routed.routing.schedule] == expect
     assert routed.routing.reason == FORCED
 
@@ -223,7 +223,7 @@ def test_failing_drafter_degrades_to_plain(tiny_engine: SpecEngine) -> None:
     engine = SpecEngine(tiny_engine.target, drafters, tiny_engine.config)
     router = Router(engine, load_policy(policy_dict(drafters=["self", "none"])), MemoryStats())
     routed = run(router, TEXTS[1], Speculation("self", 4))
-    assert routed.generation.token_ids == plain_ids(tiny_engine, TEXTS[1])
+    assert routed.token_ids == plain_ids(tiny_engine, TEXTS[1])
     assert routed.routing.fallbacks == ("drafter_error",)
     assert router.store.snapshot().fallbacks == {("chat", "drafter_error"): 1}
 
@@ -232,7 +232,7 @@ def test_dead_redis_never_fails_a_request(tiny_engine: SpecEngine) -> None:
     store = RedisStats("redis://127.0.0.1:1/0", timeout_s=0.05)
     router = Router(tiny_engine, load_policy(policy_dict()), store)
     routed = run(router, TEXTS[1])
-    assert routed.generation.token_ids == plain_ids(tiny_engine, TEXTS[1])
+    assert routed.token_ids == plain_ids(tiny_engine, TEXTS[1])
     health = store.health()
     assert not health.connected and health.num_pending_local > 0 and health.num_errors > 0
     store.close()
@@ -283,8 +283,8 @@ def test_a_tree_drafter_is_priced_by_the_tokens_it_verifies(tiny_engine: SpecEng
     assert router.costs is not None and router.costs.tree_sizes == costs.tree_sizes  # uncalibrated: the prior
     text = "Write a haiku about spring rain."
     out = run(router, text, Speculation(drafter="self_tree", draft_len=3))
-    assert out.generation.token_ids == plain_ids(engine, text)
-    assert max(s.num_tree_nodes for s in out.generation.steps) > 3
+    assert out.token_ids == plain_ids(engine, text)
+    assert max(s.num_tree_nodes for s in out.steps) > 3
 
 
 def test_decisions_are_reproducible(tiny_engine: SpecEngine) -> None:

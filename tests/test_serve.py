@@ -320,9 +320,9 @@ def test_safe_delta(text: str, sent: str, stop: tuple[str, ...], delta: str) -> 
 
 def test_worker_errors_map_to_openai_errors() -> None:
     from router.app import _as_api_error
-    from workers.deployment import InvalidRequest
+    from workers.result import RequestError
 
-    bad = _as_api_error(InvalidRequest("too long", "messages", "context_length_exceeded")).body.error
+    bad = _as_api_error(RequestError("too long", "messages", "context_length_exceeded")).body.error
     assert (bad.message, bad.param, bad.code, bad.type) == (
         "too long", "messages", "context_length_exceeded", "invalid_request_error")
     crash = _as_api_error(RuntimeError("boom"))

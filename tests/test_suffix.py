@@ -221,7 +221,7 @@ def test_routed_requests_feed_their_domain_memory_and_stay_lossless(tiny_config)
     drafter = engine.drafters["suffix"]
     for prompt in prompts:
         result = generate(router, prompt, params, "text", Speculation(domain="code"))  # suffix not allowed there
-        assert result.generation.token_ids == engine.generate(prompt, params).token_ids
+        assert result.token_ids == engine.generate(prompt, params).token_ids
     learned = drafter.memory().tokens
     assert set(learned) == {"code"} and learned["code"] > 0
 
@@ -230,6 +230,6 @@ def test_routed_requests_feed_their_domain_memory_and_stay_lossless(tiny_config)
     while batch.num_running or batch.num_waiting:
         batch.step()
     for routed, prompt in zip(running, prompts * 2):
-        assert routed.result().generation.token_ids == engine.generate(prompt, params).token_ids
+        assert routed.result().token_ids == engine.generate(prompt, params).token_ids
         routed.close()
     assert drafter.memory().tokens["chat"] > 0

@@ -8,9 +8,9 @@ request's new tokens and text to its queue. All torch work runs on one engine th
 event loop stays free. A request whose consumer goes away is dropped and its Generation closed,
 by the loop, between steps.
 
-The wire types (`GenerateRequest`, `Chunk`, `FinalStats`, `InvalidRequest`) are plain dataclasses
-without torch: the ingress imports this module without loading the engine, which is imported when a
-replica starts.
+The wire types (`GenerateRequest`, `Chunk`, and workers/result.py's `GenerationResult` and
+`RequestError`) are plain dataclasses without torch: the ingress imports this module without
+loading the engine, which is imported when a replica starts.
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ import psutil
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from policies.records import BatchingStats, ContextSpan
+from policies.records import BatchingStats
 from workers.config import EngineConfig, RoutingConfig
+from workers.result import GenerationResult, RequestError, StepStats
 
 if TYPE_CHECKING:
     from workers.drafters.remote import DraftCall, DraftReply
-    from workers.engine import SpecEngine, StepStats
+    from workers.engine import SpecEngine
     from workers.routing import RoutedBatch, RoutedGeneration, Router
 
 log = logging.getLogger(__name__)
@@ -71,35 +72,6 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
-class FinalStats:
-    """A finished request's statistics (GenerationResult without torch and per-step detail)."""
-
-    num_prompt_tokens: int
-    num_completion_tokens: int
-    num_steps: int  # target forwards
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    accepted_per_position: list[int]
-    drafter: str  # the plan's drafter (PLAIN for plain decoding)
-    draft_len: int  # the plan's k (0 for plain)
-    drafters_used: list[str]  # drafters that actually proposed, in order of first use
-    fallback_reason: str | None
-    prefill_s: float
-    wall_s: float
-    domain: str | None = None
-    policy_version: str | None = None
-    reason: str | None = None  # why the plan: best, explore, fallback, policy, forced
-    schedule: list[tuple[str, int, int]] = field(default_factory=list)  # (drafter, k, steps) runs
-    fallbacks: list[str] = field(default_factory=list)
-    context: list[ContextSpan] = field(default_factory=list)  # the steps per context bucket crossed
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per target forward, bonus included."""
-        return self.num_completion_tokens / self.num_steps if self.num_steps else 0.0
-
-
-@dataclass(frozen=True)
 class Chunk:
     """New output since the previous chunk; the last one carries finish_reason and stats.
     `generate` returns the whole output as one such chunk."""
@@ -107,10 +79,10 @@ class Chunk:
     token_ids: list[int]
     text: str  # text delta; held back while it may be an incomplete character or stop string
     finish_reason: str | None = None  # "stop" or "length" on the last chunk
-    stats: FinalStats | None = None
+    stats: GenerationResult | None = None  # the finished request, without its per-step detail
     # a request refused before its first token comes back as the only chunk, not as a raised
     # exception: a client's mistake is not a replica error for Ray to log with a traceback
-    error: InvalidRequest | None = None
+    error: RequestError | None = None
 
 
 @dataclass(frozen=True)
@@ -120,17 +92,6 @@ class PolicyResult:
     version: str  # the policy in force after the call (the old one when refused)
     replica: str  # this replica's Serve id: a broadcast's answers count the replicas reached
     error: str | None = None  # PolicyError's message, naming the field; None: the new policy is in force
-
-
-class InvalidRequest(ValueError):
-    """The request cannot be served as asked (HTTP 400): `param` names the request field."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message, param, code)
-        self.message, self.param, self.code = message, param, code
-
-    def __str__(self) -> str:
-        return self.message
 
 
 # -- the deployment ------------------------------------------------------------------------------
@@ -165,7 +126,7 @@ class TargetWorker:
         from policies.stats import make_stats_store
         from workers import engine, routing, sampling  # torch: only where a replica runs
 
-        self._engine_mod, self._routing_mod, self._sampling_mod = engine, routing, sampling
+        self._routing_mod, self._sampling_mod = routing, sampling
         self.config = EngineConfig.model_validate(engine_config)
         services = {name: HandleDraftService(handle, self._remote_timeout(name))
                     for name, handle in (drafter_handles or {}).items()}
@@ -193,7 +154,7 @@ class TargetWorker:
     # -- public methods (called through DeploymentHandles) ------------------------------------
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
         """Chunks of one request as its steps complete. A request that cannot be served gets
-        one chunk carrying the InvalidRequest as `error`."""
+        one chunk carrying the RequestError as `error`."""
         slot = _Slot(request)
         self._pending.append(slot)
         self._ensure_loop()
@@ -201,7 +162,7 @@ class TargetWorker:
         try:
             while True:
                 item = await slot.queue.get()
-                if isinstance(item, InvalidRequest):
+                if isinstance(item, RequestError):
                     yield Chunk([], "", error=item)
                     return
                 if isinstance(item, BaseException):
@@ -330,7 +291,7 @@ class TargetWorker:
                     continue
                 try:
                     await self._on_engine(self._admit, slot)
-                except Exception as e:  # InvalidRequest, or a bug: the consumer raises it
+                except Exception as e:  # RequestError, or a bug: the consumer raises it
                     slot.queue.put_nowait(e)
                     continue
                 assert slot.gen is not None
@@ -356,7 +317,7 @@ class TargetWorker:
         try:
             prompt_ids = engine.encode(r.prompt, chat=isinstance(r.prompt, list))
         except Exception as e:  # e.g. a chat template that refuses the roles given
-            raise InvalidRequest(f"cannot tokenize the prompt: {e}", r.prompt_param) from None
+            raise RequestError(f"cannot tokenize the prompt: {e}", r.prompt_param) from None
         try:
             kwargs = {} if r.max_tokens is None else {"max_tokens": r.max_tokens}
             params = self._sampling_mod.SamplingParams(
@@ -364,13 +325,13 @@ class TargetWorker:
                 ignore_eos=r.ignore_eos, **kwargs,
             )
         except ValueError as e:  # the ingress checks the same ranges; its message starts with the field
-            raise InvalidRequest(str(e), str(e).split(" ", 1)[0]) from None
+            raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
         speculation = self._routing_mod.Speculation(r.drafter, r.draft_len, r.domain)
         try:
             slot.gen = self.batch.add(prompt_ids, params, r.text, speculation)
-        except self._engine_mod.RequestError as e:
+        except RequestError as e:  # the engine names its own arguments; the client sent these fields
             param = {"prompt": r.prompt_param, "drafter": "speculation.drafter"}.get(e.param, e.param)
-            raise InvalidRequest(str(e), param, e.code) from None
+            raise RequestError(e.message, param, e.code) from None
 
     def _step(self) -> list[tuple[_Slot, Chunk | BaseException]]:
         """One batched step; each decoding request's chunk (or its failure)."""
@@ -403,32 +364,12 @@ class TargetWorker:
             delta = _safe_delta(text, slot.sent_text, gen.params.stop)
             slot.sent_text += delta
             return Chunk(new_ids, delta)
-        result, report = gen.result(), routed.report()
+        result = routed.result()
         routed.close()
         if not result.text.startswith(slot.sent_text):  # cannot happen with prefix-stable decoding
             log.warning("streamed text is not a prefix of the final text")
         delta = result.text[len(slot.sent_text) :]
-        stats = FinalStats(
-            num_prompt_tokens=len(result.prompt_token_ids),
-            num_completion_tokens=len(result.token_ids),
-            num_steps=result.num_steps,
-            num_draft_tokens=result.num_draft_tokens,
-            num_accepted_tokens=result.num_accepted_tokens,
-            accepted_per_position=list(result.accepted_per_position),
-            drafter=report.drafter,
-            draft_len=report.draft_len,
-            drafters_used=list(result.drafters),
-            fallback_reason=report.fallback_reason,
-            prefill_s=result.prefill_s,
-            wall_s=result.wall_s,
-            domain=report.domain,
-            policy_version=report.policy_version,
-            reason=report.reason,
-            schedule=[(s.drafter, s.draft_len, s.num_steps) for s in report.schedule],
-            fallbacks=list(report.fallbacks),
-            context=list(report.context),
-        )
-        return Chunk(new_ids, delta, result.finish_reason, stats)
+        return Chunk(new_ids, delta, result.finish_reason, replace(result, steps=[]))
 
     def _drop(self, slot: _Slot) -> None:
         """Take a request out of the batch (cancelled, or failed) and close it."""

@@ -16,18 +16,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
-from policies.controller import FirstTry
 from workers.config import PLAIN, EngineConfig
 from workers.drafters.base import Draft, DraftContext, Drafter, LogitsReader, TrafficLearner
 from workers.drafters.registry import build_drafters
 from workers.drafters.remote import DraftService
 from workers.models.base import ForwardOutput, KVCache
+from workers.result import GenerationResult, RequestError, StepStats
 from workers.sampling import SamplingParams, make_generator, probs_from_logits
 from workers.target import LoadedModel, load_model
 from workers.tree import DraftTree
@@ -36,73 +36,16 @@ from workers.verify import VerifyResult, verify_greedy, verify_sampled, verify_t
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-class RequestError(ValueError):
-    """A request the engine cannot serve as asked; the message names the problem and `param`
-    the request field it is about (prompt, drafter, max_tokens)."""
-
-    def __init__(self, message: str, param: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
-
-
-@dataclass(frozen=True)
-class StepStats:
-    drafter: str  # PLAIN for a step that asked no drafter (a drafter may still propose nothing)
-    draft_len: int  # k asked for (after clipping to the token budget)
-    num_draft_tokens: int  # k' the drafter proposed (a tree: its depth, the positions drafted)
-    num_accepted: int
-    num_emitted: int  # tokens appended after EOS / stop / max_tokens trimming
-    draft_s: float
-    verify_s: float  # the target forward plus verification
-    context_len: int  # tokens before the step
-    fallback_reason: str | None = None
-    shadows: tuple[ShadowScore, ...] = ()  # counterfactual scores resolved by this step
-    num_tree_nodes: int = 0  # a tree draft's tokens, all verified in the step (0: a chain)
-
-
-@dataclass(frozen=True)
-class ShadowScore:
-    """A cheap drafter's proposal at `context_len`, scored against the tokens the target emitted
-    there: the first `num_accepted` of its `num_proposed` tokens matched. Positions below `start`
-    were really drafted (and recorded) by the step itself."""
-
-    drafter: str
-    context_len: int
-    start: int
-    num_proposed: int
-    num_accepted: int
-
-
-@dataclass
-class _PendingShadow:
-    drafter: str
-    context_len: int
-    start: int
-    token_ids: list[int]
-
-    def resolve(self, tokens: list[int], final: bool) -> ShadowScore | None:
-        """The score once the emitted tokens decide it (a mismatch, or every position known);
-        at the end of the request, what is known (later positions are dropped, not guessed)."""
-        known = tokens[self.context_len : self.context_len + len(self.token_ids)]
-        matched = next((i for i, (a, b) in enumerate(zip(known, self.token_ids)) if a != b), None)
-        if matched is not None:
-            return ShadowScore(self.drafter, self.context_len, self.start, len(self.token_ids), matched)
-        if len(known) == len(self.token_ids) or final:
-            n = len(known)
-            return ShadowScore(self.drafter, self.context_len, min(self.start, n), n, n)
-        return None
-
-
 @dataclass(frozen=True)
 class StepOrder:
-    """What one step runs: the drafter and k, the cheap drafters scored alongside, and cheap
-    drafters tried first (see `Generation.prepare`)."""
+    """What one step runs: the drafter and k (PLAIN or k = 0: no draft). `draft`: that drafter's
+    proposal for this step when the caller has asked for it already (`Generation.propose`, in
+    `draft_s` seconds); otherwise the engine asks the drafter."""
 
     drafter: str = PLAIN
     draft_len: int = 0
-    shadow: tuple[str, ...] = ()
-    first: tuple[FirstTry, ...] = ()
+    draft: Draft | None = None
+    draft_s: float = 0.0
 
 
 @dataclass
@@ -119,29 +62,6 @@ class PreparedStep:
     context_len: int
     fallback_reason: str | None
     draft_s: float
-
-
-@dataclass
-class GenerationResult:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
-    num_steps: int  # target forwards that emitted tokens (the prompt's prefill is not one)
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    accepted_per_position: list[int]  # steps whose draft token at position i was accepted
-    drafted_per_position: list[int]  # steps that proposed a token at position i
-    drafters: list[str]  # every drafter that proposed, in order of first use
-    prefill_s: float  # the prompt's forward, except its last token (that is in step one)
-    wall_s: float
-    ttft_s: float  # from the request's start (queueing included) to its first step's tokens
-    steps: list[StepStats] = field(repr=False, default_factory=list)
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per target forward, bonus included (Spec-Bench's MAT)."""
-        return len(self.token_ids) / self.num_steps if self.num_steps else 0.0
 
 
 class Generation:
@@ -182,9 +102,8 @@ class Generation:
         self.steps: list[StepStats] = []
         self._drafter_states: dict[str, Any] = {}
         self._broken: set[str] = set()
-        self._pending: list[_PendingShadow] = []
         self._no_draft = torch.empty(0, dtype=torch.long, device=self.device)
-        self._t0 = time.perf_counter()
+        self.started_at = time.perf_counter()  # the request's start: its queueing and prefill count
         self.prefill_s = 0.0
         self.ttft_s: float | None = None
         self.num_prefilled = 0  # prompt tokens in the cache; the last one runs in the first step
@@ -225,64 +144,56 @@ class Generation:
         """Prompt tokens still to run before the first step (all but the last one)."""
         return self.num_prompt - 1 - self.num_prefilled
 
-    def step(
-        self, drafter: str = PLAIN, k: int = 0, shadow: Collection[str] = (), first: Sequence[FirstTry] = (),
-    ) -> StepStats:
+    def step(self, drafter: str = PLAIN, k: int = 0) -> StepStats:
+        """One step of this request alone, drafting up to k tokens with `drafter`."""
+        return self.run(StepOrder(drafter, k))
+
+    def run(self, order: StepOrder) -> StepStats:
         """One step of this request alone: `prepare`, one target forward, `complete`."""
-        prepared = self.prepare(StepOrder(drafter, k, tuple(shadow), tuple(first)))
+        prepared = self.prepare(order)
         t1 = time.perf_counter()
         out = self.model.forward(prepared.input_ids, self.cache, return_hidden=self.with_hidden, tree=prepared.tree)
         return self.complete(prepared, out, time.perf_counter() - t1)
 
+    def clip(self, k: int) -> int:
+        """k within the token budget (the bonus token needs room) and the engine's bound."""
+        return max(0, min(k, self.num_remaining - 1, self.engine.config.max_draft_len))
+
+    def propose(self, drafter: str, k: int) -> Draft | None:
+        """`drafter`'s proposal of up to k tokens at the current position; None when the drafter
+        failed on this request (now or earlier: it is dropped for the rest of the request)."""
+        if drafter not in self.engine.drafters:
+            raise RequestError(f"unknown drafter {drafter!r}", "drafter")
+        if drafter in self._broken:
+            return None
+        return self._guard(drafter, lambda impl, state: impl.propose(state, self.ctx, k))
+
     def prepare(self, order: StepOrder) -> PreparedStep:
-        """Propose up to k tokens with `order.drafter` (PLAIN or k = 0: none): the inputs of the
-        step's target forward. A drafter that raises is dropped for the rest of the request: the
-        step goes on plainly.
-
-        Each drafter in `order.shadow` (cheap ones: proposing costs next to nothing) also proposes
-        max_draft_len tokens here, scored against the tokens the target emits (StepStats.shadows,
-        once decided). For the drafter itself only the positions past its real draft are scored.
-
-        `order.first`: cheap drafters tried in order before the drafter; the first that proposes
-        drafts the step with up to its `draft_len` tokens (StepStats.drafter says which drafted)."""
+        """The inputs of the step's target forward: the order's draft of up to k tokens (k clipped
+        to the token budget; PLAIN or k = 0: none). A drafter that fails is dropped for the rest
+        of the request and the step goes on plainly."""
         if self.finished:
             raise RuntimeError("step() on a finished generation")
         if self.cache is None or self.num_to_prefill:
             raise RuntimeError("step() before the prompt is prefilled")
-        drafter, shadow = order.drafter, order.shadow
-        for name in (drafter, *(t.drafter for t in order.first)):
-            if name != PLAIN and name not in self.engine.drafters:
-                raise RequestError(f"unknown drafter {name!r}", "drafter")
-        k = self._clip(order.draft_len)
+        drafter, draft = order.drafter, order.draft
+        if drafter != PLAIN and drafter not in self.engine.drafters:
+            raise RequestError(f"unknown drafter {drafter!r}", "drafter")
+        k = self.clip(order.draft_len)
         fallback = None
-        if drafter in self._broken:
+        if draft is None and drafter in self._broken:
             drafter, fallback = PLAIN, "drafter_error"
         if k == 0:
-            drafter = PLAIN
-        first = [(t.drafter, n) for t in order.first
-                 if t.drafter not in self._broken and (n := self._clip(t.draft_len))]
-        context_len = len(self.ctx.token_ids)
-
+            drafter, draft = PLAIN, None
         t0 = time.perf_counter()
-        draft = None
-        asked: set[str] = set()  # the drafters that proposed (or were asked to) for this step
-        for name, n in first:
-            asked.add(name)
-            lead = self._propose(name, n, shadow, context_len)
-            if lead is not None and lead.token_ids.numel():
-                drafter, k, draft, fallback = name, n, lead, None
-                break
-            if lead is not None and name in shadow:  # proposed nothing: a silent step of its own
-                self._pending.append(_PendingShadow(name, context_len, 0, []))
         if draft is None and drafter != PLAIN:
-            asked.add(drafter)
-            draft = self._propose(drafter, k, shadow, context_len)
+            draft = self.propose(drafter, k)
             if draft is None:
                 drafter, fallback = PLAIN, "drafter_error"
-        draft_s = time.perf_counter() - t0
-        for name in shadow:  # the cheap drafters this step did not ask are scored all the same
-            if name not in asked:
-                self._shadow(name, context_len, 0)
+        if draft is not None and draft.tree is None and draft.token_ids.shape[0] > k:
+            draft = Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
+        draft_s = order.draft_s + time.perf_counter() - t0
+        context_len = len(self.ctx.token_ids)
         draft_ids = draft.token_ids.to(self.device) if draft is not None else self._no_draft
         tree = draft.tree if draft is not None else None
         if tree is not None and len(tree) >= (room := self.cache.capacity - self.cache.length):
@@ -322,7 +233,6 @@ class Generation:
             num_accepted=result.num_accepted, num_emitted=num_emitted,
             num_tree_nodes=len(tree) if tree is not None else 0,
             draft_s=p.draft_s, verify_s=verify_s, context_len=context_len, fallback_reason=p.fallback_reason,
-            shadows=self._resolve_shadows(),
         )
         self._record(stats)
         return stats
@@ -382,8 +292,8 @@ class Generation:
             drafted_per_position=proposed,
             drafters=list(dict.fromkeys(s.drafter for s in drafted)),
             prefill_s=self.prefill_s,
-            wall_s=time.perf_counter() - self._t0,
-            ttft_s=self.ttft_s if self.ttft_s is not None else time.perf_counter() - self._t0,
+            wall_s=time.perf_counter() - self.started_at,
+            ttft_s=self.ttft_s if self.ttft_s is not None else time.perf_counter() - self.started_at,
             steps=self.steps,
         )
 
@@ -399,42 +309,6 @@ class Generation:
         # every later step, and the first generated token comes out of `step` like all others
         self.num_prefilled = prompt.numel()
         self.prefill_s = time.perf_counter() - t0
-
-    def _clip(self, k: int) -> int:
-        """k within the token budget (the bonus token needs room) and the engine's bound."""
-        return max(0, min(k, self.num_remaining - 1, self.engine.config.max_draft_len))
-
-    def _propose(self, name: str, k: int, shadow: Collection[str], context_len: int) -> Draft | None:
-        """`name`'s draft of up to k tokens (None: it raised). A drafter in `shadow` is asked for
-        max_draft_len: what lies past k is scored like a shadow."""
-        ask = self.engine.config.max_draft_len if name in shadow else k
-        draft = self._guard(name, lambda impl, state: impl.propose(state, self.ctx, ask))
-        if draft is not None and ask > k and draft.tree is None:
-            proposal = draft.token_ids.tolist()
-            if len(proposal) > k:
-                self._pending.append(_PendingShadow(name, context_len, k, proposal))
-            draft = Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
-        return draft
-
-    def _shadow(self, name: str, context_len: int, start: int) -> None:
-        if name in self._broken or name not in self.engine.drafters:
-            return
-        k = self.engine.config.max_draft_len
-        draft = self._guard(name, lambda impl, state: impl.propose(state, self.ctx, k))
-        if draft is not None:
-            self._pending.append(_PendingShadow(name, context_len, start, draft.token_ids.tolist()))
-
-    def _resolve_shadows(self) -> tuple[ShadowScore, ...]:
-        done: list[ShadowScore] = []
-        undecided: list[_PendingShadow] = []
-        for pending in self._pending:
-            score = pending.resolve(self.ctx.token_ids, self.finished)
-            if score is None:
-                undecided.append(pending)
-            else:
-                done.append(score)
-        self._pending = undecided
-        return tuple(done)
 
     def _last_token(self) -> torch.Tensor:
         return torch.tensor(self.ctx.token_ids[-1:], dtype=torch.long, device=self.device)
@@ -493,7 +367,7 @@ class Generation:
 
     def _record(self, stats: StepStats) -> None:
         if not self.steps:
-            self.ttft_s = time.perf_counter() - self._t0
+            self.ttft_s = time.perf_counter() - self.started_at
         self.steps.append(stats)
         if self.on_step is not None:
             self.on_step(stats)

@@ -23,7 +23,7 @@ import torch
 from policies.batching import BatchCost, DraftOption, allocate
 from policies.classifier import Classification, DomainClassifier
 from policies.controller import StepChoice, StepController
-from policies.cost import ALONE, CostTable, RoundLoad
+from policies.cost import CostTable
 from policies.paths import PathNotAllowed, confine
 from policies.records import ContextSpan, Record, RequestRecord, ShadowRecord, StepRecord, context_bucket
 from policies.schema import Policy, PolicyError, check_policy_drafters, load_policy
@@ -32,8 +32,10 @@ from policies.stats import StatsStore
 from workers.batch import BatchEngine, BatchStep
 from workers.config import PLAIN, LookaheadDrafterConfig, RoutingConfig
 from workers.drafters.remote import RemoteDrafter
-from workers.engine import Generation, GenerationResult, RequestError, SpecEngine, StepOrder, StepStats
+from workers.engine import Generation, SpecEngine, StepOrder
+from workers.result import GenerationResult, RequestError, RoutingReport, Segment, StepStats
 from workers.sampling import SamplingParams
+from workers.shadows import CheapDrafters
 
 log = logging.getLogger(__name__)
 
@@ -48,42 +50,6 @@ class Speculation:
     drafter: str = AUTO  # AUTO: the policy chooses; PLAIN; or a configured drafter name
     draft_len: int | None = None  # None: the policy chooses k
     domain: str | None = None  # None: the classifier decides
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Consecutive steps with the same drafter and k."""
-
-    drafter: str
-    draft_len: int
-    num_steps: int
-
-
-@dataclass(frozen=True)
-class RoutingReport:
-    """How one request was routed; returned with its response."""
-
-    domain: str
-    domain_source: str  # request, rule, model or default
-    confidence: float
-    policy_version: str
-    drafter: str  # the plan's drafter (PLAIN: the request started plain)
-    draft_len: int
-    reason: str  # the plan's reason: best, explore, fallback, policy or forced
-    predicted_speedup: float
-    schedule: tuple[Segment, ...]  # the (drafter, k) asked for each step, run-length encoded
-    fallbacks: tuple[str, ...]  # the reason of each switch to plain decoding
-    context: tuple[ContextSpan, ...] = ()  # the steps per context bucket, in the order crossed
-
-    @property
-    def fallback_reason(self) -> str | None:
-        return self.fallbacks[-1] if self.fallbacks else None
-
-
-@dataclass
-class RoutedResult:
-    generation: GenerationResult
-    routing: RoutingReport
 
 
 def measure_costs(engine: SpecEngine, context_len: int = 64, repeats: int = 3) -> CostTable:
@@ -332,13 +298,11 @@ class RoutedGeneration:
         the request enters (none: a forced plan)."""
         self.router, self.gen, self.policy = router, gen, policy
         self.classification, self.plan, self.controller = classification, plan, controller
-        self.shadow, self.candidates = tuple(shadow), tuple(candidates)
+        self.cheap, self.candidates = CheapDrafters(gen, shadow), tuple(candidates)
         self.domain = plan.domain
         self._bucket = context_bucket(gen.ctx.num_prompt)
         self._context: list[ContextSpan] = []
         self._records: list[Record] = []
-        self._t0 = time.perf_counter()
-        self._ttft_s: float | None = None
         self._schedule: list[Segment] = []
         self._recorded = False
 
@@ -346,16 +310,14 @@ class RoutedGeneration:
     def finished(self) -> bool:
         return self.gen.finished
 
-    def step(self, load: RoundLoad = ALONE) -> StepStats:
-        """One step of this request alone; `load`: the other requests this replica interleaves
-        with this one (step by step, without batching)."""
-        choice = self.choose(load)
-        order = self.order(choice)
-        stats = self.gen.step(order.drafter, order.draft_len, order.shadow, order.first)
+    def step(self) -> StepStats:
+        """One step of this request alone."""
+        choice = self.choose()
+        stats = self.gen.run(self.order(choice))
         self.observe(choice, stats)
         return stats
 
-    def choose(self, load: RoundLoad = ALONE) -> StepChoice:
+    def choose(self) -> StepChoice:
         """The controller's choice for the next step."""
         context_len = len(self.gen.ctx.token_ids)
         if (bucket := context_bucket(context_len)) != self._bucket:
@@ -363,12 +325,11 @@ class RoutedGeneration:
             if self.candidates and self.controller.adaptive:  # acceptance and costs of the new bucket
                 self.controller.rebase(self.router.decide(self.policy, Features(self.domain, context_len),
                                                           self.candidates))
-        self.controller.load = load
         return self.controller.next()
 
     def order(self, choice: StepChoice) -> StepOrder:
-        """What the engine runs for a choice: the domain's cheap drafters are scored alongside."""
-        return StepOrder(choice.drafter, choice.draft_len, self.shadow, choice.first)
+        """What the engine runs for a choice; the domain's cheap drafters are asked alongside."""
+        return self.cheap.order(choice)
 
     def draft_option(self, choice: StepChoice) -> DraftOption | None:
         """The choice as the batch's goodput rule prices it; None where the rule has no say: a
@@ -390,11 +351,9 @@ class RoutedGeneration:
         if not self._context or self._context[-1].bucket != bucket:
             self._context.append(ContextSpan(bucket))
         self._context[-1] = self._context[-1].add(stats.num_emitted, stats.num_draft_tokens, stats.num_accepted)
-        for score in stats.shadows:
+        for score in self.cheap.scores():
             self.controller.observe_shadow(score.drafter, score.start, score.num_proposed, score.num_accepted)
             self._records.append(ShadowRecord.from_score(self.domain, score))
-        if self._ttft_s is None:
-            self._ttft_s = time.perf_counter() - self._t0
         tried = {t.drafter: t.draft_len for t in choice.first}
         if stats.drafter in tried:  # a cheap drafter tried first proposed: it ran the step
             self._extend_schedule(stats.drafter, tried[stats.drafter])
@@ -424,9 +383,9 @@ class RoutedGeneration:
         if self._recorded:
             return
         self._recorded = True
-        e2e = time.perf_counter() - self._t0
+        e2e = time.perf_counter() - self.gen.started_at
         self._records.append(RequestRecord(
-            self.domain, self.plan.drafter, self.plan.reason, ttft_s=min(self._ttft_s or e2e, e2e), e2e_s=e2e,
+            self.domain, self.plan.drafter, self.plan.reason, ttft_s=min(self.gen.ttft_s or e2e, e2e), e2e_s=e2e,
             fallbacks=self.fallbacks,
         ))
         self._flush()
@@ -444,8 +403,8 @@ class RoutedGeneration:
             schedule=tuple(self._schedule), fallbacks=self.fallbacks, context=tuple(self._context),
         )
 
-    def result(self) -> RoutedResult:
-        return RoutedResult(self.gen.result(), self.report())
+    def result(self) -> GenerationResult:
+        return replace(self.gen.result(), routing=self.report())
 
     def close(self) -> None:
         """Release the generation; an unfinished request's records are still written."""
@@ -560,7 +519,7 @@ def _mtime_ns(path: Path) -> int | None:
 
 
 def generate(router: Router, prompt_ids: list[int], params: SamplingParams, text: str,
-             speculation: Speculation = Speculation()) -> RoutedResult:
+             speculation: Speculation = Speculation()) -> GenerationResult:
     """One routed request from start to finish (CLI, bench)."""
     routed = router.start(prompt_ids, params, text, speculation)
     try:
