@@ -101,4 +101,5 @@ def draft_vocab_of(fs: FeatureSet, model: FastLlama, size: int) -> tuple[torch.T
 def draft_head_t(model: FastLlama, vocab: torch.Tensor | None) -> torch.Tensor:
     """The target's lm_head over the draft vocabulary, [h, V] (the whole head for None), its dtype
     and device."""
-    return model.lm_head.w_t if vocab is None else model.lm_head.w_t[:, vocab.to(model.device)]
+    head_t = model.view().head_t
+    return head_t if vocab is None else head_t[:, vocab.to(model.device)]

@@ -146,7 +146,7 @@ def init_head(net: EagleNet, model: FastLlama, vocab: torch.Tensor | None) -> No
     """The reduced head: the target's lm_head rows of the draft vocabulary."""
     if net.lm_head is not None:
         assert vocab is not None
-        net.lm_head.weight.copy_(model.lm_head.w_t[:, vocab.to(model.device)].t())
+        net.lm_head.weight.copy_(draft_head_t(model, vocab).t())
         net.draft_vocab.copy_(vocab)
 
 
@@ -305,10 +305,11 @@ class EagleKind(DrafterKind[EagleTrainArgs]):
         if net.lm_head is not None:
             net.lm_head.weight.requires_grad_(args.train_head)
         max_t = min(args.seq_len, int((fs.bounds[1:] - fs.bounds[:-1]).max()) - 1)  # the longest window
+        view = model.view()
         self.parts = TargetParts(
-            embed=model.embed.to(device), head_t=draft_head_t(model, vocab).to(device=device, dtype=torch.float32),
-            cos=model.cos[:max_t].to(device=device, dtype=torch.float32),
-            sin=model.sin_signed[:max_t].to(device=device, dtype=torch.float32),
+            embed=view.embed.to(device), head_t=draft_head_t(model, vocab).to(device=device, dtype=torch.float32),
+            cos=view.cos[:max_t].to(device=device, dtype=torch.float32),
+            sin=view.sin[:max_t].to(device=device, dtype=torch.float32),
         )
         self.net, self.vocab, self.generator = net.train(), vocab, torch.Generator(device=device)
         return net, [p for p in net.parameters() if p.requires_grad]
