@@ -14,15 +14,20 @@ whatever else shares its forward. Rounding to bfloat16 would magnify any float32
   * rows whose logits are read (decode, verification) go through the int4 kernel, which computes
     a row bit for bit the same at every row count;
   * rows that only fill the cache (prompt prefill) go through a dense bfloat16 copy of the same
-    weights in calls of exactly 256 rows (the last one padded): oneDNN's bfloat16 GEMM is ~3.5x
-    faster there than the int4 kernel, which grows with the rows, but it changes a row's result
-    with the call's row count (a [576, 1536] product at 256 against 512 rows), never with the
-    row's place or neighbours in a call of fixed size;
+    weights in calls of exactly 256 rows (the last one padded) where the CPU has bfloat16
+    instructions: oneDNN's bfloat16 GEMM is ~3.5x faster there than the int4 kernel, which grows
+    with the rows, but it changes a row's result with the call's row count (a [576, 1536] product
+    at 256 against 512 rows), never with the row's place or neighbours in a call of fixed size.
+    Without them (AVX2 only) the same GEMM takes a reference path ~50x slower than the int4
+    kernel (342 ms against 7 ms for 256 rows of [576, 1536]), so prompt rows take the int4
+    kernel too and no dense copy is kept: `dense_prefill_pays`, timed once per process;
   * attention: see workers/models/llama.py, invariant_min_queries.
 """
 
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,21 +131,43 @@ def read_gguf_int4(path: Path, num_layers: int, num_heads: int, num_kv_heads: in
     return weights
 
 
+@functools.cache
+def dense_prefill_pays() -> bool:
+    """Whether 256 prompt rows run faster through a dense bfloat16 product than through the int4
+    kernel on this CPU: one call of each on a [576, 1536] weight (SmolLM2's widest product)."""
+    rows, in_features, out_features = _DENSE_ROWS, 576, 1536
+    w = Int4Weight(torch.randint(0, 16, (out_features, in_features), dtype=torch.int32),
+                   torch.full((in_features // GROUP_SIZE, out_features), 0.01),
+                   torch.zeros(in_features // GROUP_SIZE, out_features))
+    lin = Int4Linear(w, dense=True)
+    x = torch.randn(rows, in_features).to(_COMPUTE_DTYPE)
+    timed = {}
+    for name, product in (("int4", lin._int4), ("dense", lin._dense)):
+        product(x[:8])  # warm up the kernel
+        t0 = time.perf_counter()
+        product(x)
+        timed[name] = time.perf_counter() - t0
+    return timed["dense"] < timed["int4"]
+
+
 class Int4Linear:
     """y = x @ W.T for an Int4Weight: the first `num_scored` rows through the int4 kernel, the
-    rest (prefill rows) through the dense bfloat16 copy (see the module docstring). y has x's
-    dtype."""
+    rest (prefill rows) through the dense bfloat16 copy when `dense` (default: where it pays, see
+    the module docstring), else the int4 kernel too. y has x's dtype."""
 
-    def __init__(self, weight: Int4Weight) -> None:
+    def __init__(self, weight: Int4Weight, dense: bool | None = None) -> None:
         scales, zeros = weight.scales.to(_COMPUTE_DTYPE), weight.zeros.to(_COMPUTE_DTYPE)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q, _INNER_K_TILES)
         self.scales_zeros = torch.stack([scales, zeros], dim=-1).contiguous()  # [in / 32, out, 2]
         # the same values the kernel computes with (bfloat16 scales and zeros), rounded to bfloat16
-        self.w_t = Int4Weight(weight.q, scales.float(), zeros.float()).dequantize().to(_COMPUTE_DTYPE).t().contiguous()
+        self.w_t: torch.Tensor | None = None
+        if dense if dense is not None else dense_prefill_pays():
+            self.w_t = (Int4Weight(weight.q, scales.float(), zeros.float()).dequantize().to(_COMPUTE_DTYPE)
+                        .t().contiguous())
 
     def __call__(self, x: torch.Tensor, num_scored: int | None = None) -> torch.Tensor:
         n = x.shape[0]
-        a = n if num_scored is None else num_scored
+        a = n if num_scored is None or self.w_t is None else num_scored
         xb = x.to(_COMPUTE_DTYPE)
         if a == n:
             y = self._int4(xb)
@@ -154,6 +181,7 @@ class Int4Linear:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE, self.scales_zeros)
 
     def _dense(self, xb: torch.Tensor) -> torch.Tensor:
+        assert self.w_t is not None
         n = xb.shape[0]
         blocks = torch.nn.functional.pad(xb, (0, 0, 0, -n % _DENSE_ROWS)).split(_DENSE_ROWS)
         return torch.cat([block @ self.w_t for block in blocks])[:n]
