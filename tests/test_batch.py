@@ -1,6 +1,7 @@
 """Continuous batching on the tiny target: the pooled, batched forward against one sequence at a
 time; the scheduler (admission, chunked prefill, slots); losslessness of mixed batches (greedy
-and sampled, every drafter kind the tiny engine has, draft trees); failure isolation."""
+and sampled, every drafter kind the tiny engine has, draft trees); drafters proposing for a whole
+batch in one call; failure isolation."""
 
 from __future__ import annotations
 
@@ -9,10 +10,20 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import TWO_TOKEN_PARAMS, TwoTokenCase, assert_follows_joint, assert_same_or_tie
+from helpers import (
+    TWO_TOKEN_PARAMS,
+    TwoTokenCase,
+    assert_follows_joint,
+    assert_same_or_tie,
+    write_eagle,
+    write_medusa_heads,
+)
 
 from workers.batch import BatchEngine
-from workers.config import PLAIN, EngineConfig, NgramDrafterConfig
+from workers.config import PLAIN, EagleDrafterConfig, EngineConfig, MedusaDrafterConfig, NgramDrafterConfig
+from workers.drafters.base import BatchDrafter, DraftRequest
+from workers.drafters.model import ModelDrafter
+from workers.drafters.registry import build_drafter
 from workers.engine import Generation, SpecEngine, StepOrder
 from workers.models.base import SeqInput
 from workers.sampling import SamplingParams
@@ -216,3 +227,144 @@ def test_a_removed_request_frees_its_slot_for_a_waiting_one(engine: SpecEngine, 
     assert gens[4] in batch.running and len(batch.running) == 4
     run_batch(batch, gens[1:], {g: StepOrder() for g in gens})
     assert batch.pool is not None and batch.pool.num_free == batch.pool.num_slots
+
+
+# -- drafting in batch ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def with_features(engine: SpecEngine, tmp_path_factory: pytest.TempPathFactory) -> SpecEngine:
+    """The module's engine plus Medusa heads and an EAGLE head: batch drafters of every kind
+    ("other", "medusa", "eagle"); the "_case" ones draft only tokens of the sampled test's case,
+    so they are accepted there."""
+    vocab = TwoTokenCase.of(engine).draft_vocab(engine.target.model.info.vocab_size)
+    configs = [
+        MedusaDrafterConfig(name="medusa", path=str(write_medusa_heads(tmp_path_factory.mktemp("m"), engine))),
+        MedusaDrafterConfig(name="medusa_case", path=str(write_medusa_heads(tmp_path_factory.mktemp("m"), engine,
+                                                                              vocab))),
+        EagleDrafterConfig(name="eagle", path=str(write_eagle(tmp_path_factory.mktemp("e"), engine))),
+        EagleDrafterConfig(name="eagle_case", path=str(write_eagle(tmp_path_factory.mktemp("e"), engine, vocab))),
+    ]
+    extra = {c.name: build_drafter(c, engine.target) for c in configs}
+    return SpecEngine(engine.target, {**engine.drafters, **extra}, engine.config)
+
+
+def _started(engine: SpecEngine, prompts: list[list[int]], params: SamplingParams, steps: int) -> list[Generation]:
+    """Requests alone, a few plain steps in: contexts with the target's features filled."""
+    gens = [engine.start(p, params) for p in prompts]
+    for g in gens:
+        for _ in range(steps):
+            g.step()
+    return gens
+
+
+@pytest.mark.parametrize("drafter", ["other", "medusa", "eagle"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_batch_drafter_proposes_what_it_proposes_alone(
+    with_features: SpecEngine, prompts: list[list[int]], drafter: str, sampled: bool,
+) -> None:
+    """One `propose_batch` over three requests (different context lengths and k) gives each the
+    draft its own `propose` gives, twice in a row (the second after a step that rejected it)."""
+    impl = with_features.drafters[drafter]
+    assert isinstance(impl, BatchDrafter)
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=3) if sampled else greedy(40)
+    gens = _started(with_features, prompts[:3], params, 2)
+    ks = [3, 1, 2]
+    batched = [impl.begin(g.ctx) for g in gens]  # the model drafter's first three slots: pooled
+    alone = [impl.begin(g.ctx) for g in gens]
+    if isinstance(impl, ModelDrafter):
+        assert all(s.cache.pool is impl._pool for s in batched)
+    try:
+        for _ in range(2):
+            generators = [g.ctx.generator.get_state() for g in gens]
+            drafts = impl.propose_batch([DraftRequest(s, g.ctx, k) for s, g, k in zip(batched, gens, ks)])
+            for g, s, k, state, draft in zip(gens, alone, ks, generators, drafts):
+                g.ctx.generator.set_state(state)
+                ref = impl.propose(s, g.ctx, k)
+                assert draft.token_ids.tolist() == ref.token_ids.tolist()
+                assert (draft.probs is None) == (ref.probs is None) == (not sampled)
+                if sampled:
+                    torch.testing.assert_close(draft.probs, ref.probs, atol=1e-5, rtol=1e-4)
+            for g, a, b in zip(gens, batched, alone):
+                g.step()  # a plain step: the drafts were rejected, and the drafters catch up next time
+                impl.commit(a, g.ctx, 1, 0)
+                impl.commit(b, g.ctx, 1, 0)
+    finally:
+        for s in batched + alone:
+            impl.end(s)
+        for g in gens:
+            g.close()
+    if isinstance(impl, ModelDrafter):
+        assert impl._pool is not None and impl._pool.num_free == impl._pool.num_slots  # end() gave the slots back
+
+
+@pytest.mark.parametrize("mix", [[("other", 3)] * 4, [("medusa", 3), ("other", 2)] * 2 + [(PLAIN, 0)],
+                                 [("eagle", 3), ("eagle", 2), ("medusa", 2), ("eagle", 4)]],
+                         ids=["one-drafter", "two-drafters", "eagle"])
+def test_requests_sharing_a_drafter_draft_in_one_call_and_decode_as_alone(
+    with_features: SpecEngine, prompts: list[list[int]], mix, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: dict[str, list[int]] = {}
+    for name in {d for d, _ in mix if d != PLAIN}:
+        impl = with_features.drafters[name]
+        real = impl.propose_batch
+
+        def counted(requests, name=name, real=real):
+            calls.setdefault(name, []).append(len(requests))  # Medusa's `propose` calls it too: 1
+            return real(requests)
+
+        monkeypatch.setattr(impl, "propose_batch", counted)
+    batch = BatchEngine(with_features)
+    gens = [batch.add(p, greedy()) for p in prompts[: len(mix)]]
+    run_batch(batch, gens, {g: StepOrder(d, k) for g, (d, k) in zip(gens, mix)})
+    for gen, prompt in zip(gens, prompts):
+        assert_same_or_tie(with_features, prompt, gen.output_ids, with_features.generate(prompt, greedy()).token_ids)
+    for name in calls:
+        assert max(calls[name]) == sum(d == name for d, _ in mix)  # every request using it, in one call
+    assert set(calls) == {d for d, _ in mix if d != PLAIN}
+    for gen in gens:  # the drafted steps carry their share of the batched proposal's time
+        assert all(s.draft_s > 0 for s in gen.steps if s.num_draft_tokens)
+    other = with_features.drafters["other"]
+    assert isinstance(other, ModelDrafter) and other._pool is not None
+    assert other._pool.num_free == other._pool.num_slots
+
+
+@pytest.mark.parametrize("drafter", ["self", "medusa_case", "eagle_case"])
+def test_sampled_requests_drafting_in_one_call_follow_the_target(
+    with_features: SpecEngine, drafter: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sampled request shares its drafter's batched proposal with a greedy one and another
+    sampled one: it still draws from the target's distribution (chi-square over seeds)."""
+    case = TwoTokenCase.of(with_features)
+    impl = with_features.drafters[drafter]
+    sizes: list[int] = []
+    real = impl.propose_batch
+    monkeypatch.setattr(impl, "propose_batch", lambda requests: sizes.append(len(requests)) or real(requests))
+
+    def generate(seed: int):
+        batch = BatchEngine(with_features)
+        gens = [batch.add(case.prompt, SamplingParams(seed=seed, **TWO_TOKEN_PARAMS)),
+                batch.add(case.prompt, greedy(6)), batch.add(case.prompt, SamplingParams(max_tokens=6, seed=seed + 1))]
+        run_batch(batch, gens, {g: StepOrder(drafter, 2) for g in gens})
+        return gens[0].result()
+
+    results = assert_follows_joint(case.joint, 300, generate)
+    assert sizes.count(3) >= 300  # each run's first proposal was one call for all three
+    assert sum(r.num_accepted_tokens for r in results) > 0  # drafts were accepted, so rejection ran on them
+
+
+def test_a_failing_batch_proposal_leaves_its_requests_plain(
+    with_features: SpecEngine, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def crash(requests):
+        raise RuntimeError("drafter crashed")
+
+    monkeypatch.setattr(with_features.drafters["medusa"], "propose_batch", crash)
+    batch = BatchEngine(with_features)
+    gens = [batch.add(p, greedy()) for p in prompts[:3]]
+    run_batch(batch, gens, dict(zip(gens, [StepOrder("medusa", 3), StepOrder("medusa", 2), StepOrder("other", 2)])))
+    for gen, prompt in zip(gens, prompts):
+        assert_same_or_tie(with_features, prompt, gen.output_ids, with_features.generate(prompt, greedy()).token_ids)
+    for gen in gens[:2]:
+        assert gen.steps[0].fallback_reason == "drafter_error"
+        assert not gen.result().drafters  # dropped for the rest of the request
+    assert gens[2].result().drafters == ["other"]

@@ -7,6 +7,8 @@ besides what the running requests hold: a long request waits for room, it never 
 Each step then:
   1. every running request that has its prompt in the cache prepares its step (its drafter
      proposes [last token + draft], k = 0 for plain decoding), each with its own drafter and k;
+     a drafter that can (`BatchDrafter`: the small model, EAGLE, Medusa) proposes for all the
+     requests using it in one call, its own network run once for them;
   2. requests still prefilling get prompt chunks from what is left of the step's token budget
      (`max_num_batched_tokens`), so a long prompt is spread over several steps instead of
      stalling everyone else's next token;
@@ -27,6 +29,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from workers.drafters.base import BatchDrafter
 from workers.engine import Generation, PreparedStep, SpecEngine, StepOrder, StepStats
 from workers.models.base import BatchedLM, ForwardOutput, SeqInput, forward_each
 from workers.sampling import SamplingParams
@@ -109,9 +112,11 @@ class BatchEngine:
         decoding one runs (missing: a plain step)."""
         out = BatchStep()
         prepared: list[tuple[Generation, PreparedStep]] = []
-        for gen in [g for g in self.running if not g.num_to_prefill]:
+        decoding = [g for g in self.running if not g.num_to_prefill]
+        orders = self._draft_in_batch(decoding, orders or {})
+        for gen in decoding:
             try:
-                prepared.append((gen, gen.prepare((orders or {}).get(gen, PLAIN_STEP))))
+                prepared.append((gen, gen.prepare(orders.get(gen, PLAIN_STEP))))
             except Exception as e:  # a bug or a bad order: this request fails, the batch goes on
                 log.exception("preparing a step failed")
                 self._fail(out, gen, e)
@@ -148,6 +153,37 @@ class BatchEngine:
         for (gen, n), result in zip(chunks, results[len(prepared) :]):
             gen.complete_prefill(n, result, out.forward_s)
             out.prefilled.append((gen, n))
+        return out
+
+    def _draft_in_batch(self, decoding: Sequence[Generation],
+                        orders: Mapping[Generation, StepOrder]) -> dict[Generation, StepOrder]:
+        """The orders with the drafts of every batch drafter asked by two or more requests filled
+        in by one call each; each request is charged an equal share of its time. A drafter that
+        fails there is dropped for those requests, whose steps then run plainly."""
+        out = dict(orders)
+        groups: dict[str, list[tuple[Generation, int]]] = {}
+        for gen in decoding:
+            order = orders.get(gen, PLAIN_STEP)
+            if (order.draft is None and isinstance(self.engine.drafters.get(order.drafter), BatchDrafter)
+                    and (k := gen.clip(order.draft_len))):
+                groups.setdefault(order.drafter, []).append((gen, k))
+        for name, members in groups.items():
+            if len(members) < 2:
+                continue  # alone, `prepare` asks the drafter as usual
+            t0 = time.perf_counter()
+            asked = [(gen, r) for gen, k in members if (r := gen.draft_request(name, k)) is not None]
+            drafter = self.engine.drafters[name]
+            assert isinstance(drafter, BatchDrafter)
+            try:
+                drafts = drafter.propose_batch([r for _, r in asked])
+            except Exception:
+                log.exception("drafter %r failed on a batch; its requests continue without it", name)
+                for gen, _ in asked:
+                    gen.drop(name)
+                continue
+            share = (time.perf_counter() - t0) / max(1, len(asked))
+            for (gen, r), draft in zip(asked, drafts):
+                out[gen] = StepOrder(name, r.k, draft, orders[gen].draft_s + share)
         return out
 
     def _fail(self, out: BatchStep, gen: Generation, error: Exception) -> None:

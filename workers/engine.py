@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from workers.config import PLAIN, EngineConfig
-from workers.drafters.base import Draft, DraftContext, Drafter, LogitsReader, TrafficLearner
+from workers.drafters.base import Draft, DraftContext, Drafter, DraftRequest, LogitsReader, TrafficLearner
 from workers.drafters.registry import build_drafters
 from workers.drafters.remote import DraftService
 from workers.models.base import ForwardOutput, KVCache
@@ -158,6 +158,25 @@ class Generation:
     def clip(self, k: int) -> int:
         """k within the token budget (the bonus token needs room) and the engine's bound."""
         return max(0, min(k, self.num_remaining - 1, self.engine.config.max_draft_len))
+
+    def draft_request(self, drafter: str, k: int) -> DraftRequest | None:
+        """What a batched proposal asks `drafter` for on this request (its state begun now if need
+        be); None when the drafter failed on this request."""
+        if drafter not in self._broken:
+            self._guard(drafter, lambda impl, state: None)  # begins the state
+        if drafter in self._broken:
+            return None
+        return DraftRequest(self._drafter_states[drafter], self.ctx, k)
+
+    def drop(self, drafter: str) -> None:
+        """`drafter` failed on this request: it is not asked again, and its state is released."""
+        self._broken.add(drafter)
+        state = self._drafter_states.pop(drafter, None)
+        if state is not None:
+            try:
+                self.engine.drafters[drafter].end(state)
+            except Exception:
+                log.exception("drafter %r failed to release its state", drafter)
 
     def propose(self, drafter: str, k: int) -> Draft | None:
         """`drafter`'s proposal of up to k tokens at the current position; None when the drafter
@@ -323,13 +342,7 @@ class Generation:
             return call(impl, self._drafter_states[drafter])
         except Exception:
             log.exception("drafter %r failed; this request continues without it", drafter)
-            self._broken.add(drafter)
-            state = self._drafter_states.pop(drafter, None)
-            if state is not None:
-                try:
-                    impl.end(state)
-                except Exception:
-                    log.exception("drafter %r failed to release its state", drafter)
+            self.drop(drafter)
             return None
 
     def _verify(
@@ -407,7 +420,8 @@ class SpecEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         target = load_model(config.target)
-        return cls(target, build_drafters(config.drafters, target, services), config)
+        drafters = build_drafters(config.drafters, target, services, config.scheduler.max_num_seqs)
+        return cls(target, drafters, config)
 
     @property
     def tokenizer(self) -> Any:

@@ -7,6 +7,7 @@ engine (and, above it, the policy) does. Capabilities are declared as class attr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -79,6 +80,28 @@ class Drafter(Protocol):
 
     def end(self, state: Any) -> None:
         """Release per-request resources."""
+        ...
+
+
+@dataclass
+class DraftRequest:
+    """One request's part of a batched proposal: what `propose` would be called with."""
+
+    state: Any
+    ctx: DraftContext
+    k: int
+
+
+@runtime_checkable
+class BatchDrafter(Protocol):
+    """A drafter that proposes for several requests in one call, running its own network once
+    for all of them (continuous batching asks it for every request that uses it in a step)."""
+
+    name: str
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        """Each request's draft, as `propose` would give it (sampled ones from the request's own
+        generator, in the same order); the states advance as `propose` would advance them."""
         ...
 
 

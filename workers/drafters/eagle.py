@@ -17,6 +17,7 @@ of each row). Weights load from safetensors only: a pickle can run code.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from workers.drafters.base import Draft, DraftContext, full_vocab_probs, token_ids_of
+from workers.drafters.base import Draft, DraftContext, DraftRequest, full_vocab_probs, token_ids_of
 from workers.models.base import TargetView
 from workers.sampling import log_probs, probs_from_logits
 from workers.tree import TreeGrowth, grow_tree
@@ -131,6 +132,17 @@ class EagleLayer(nn.Module):
                 causal = False
         return self.finish(x, self.attend(q, k, v, mask, causal))
 
+    def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     caches: Sequence[EagleCache]) -> torch.Tensor:
+        """One new row per sequence, each with its own cache: x [B, 1, h]; cos, sin [B, 1, 1, d].
+        The products run once for all rows; each row attends over its own cache."""
+        q, k, v = self.qkv(x, cos, sin)
+        attn = []
+        for b, cache in enumerate(caches):
+            keys, values = cache.append(k[b], v[b])
+            attn.append(self.attend(q[b : b + 1], keys[None], values[None]))
+        return self.finish(x, torch.cat(attn))
+
 
 @dataclass
 class EagleCache:
@@ -173,6 +185,15 @@ class EagleNet(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, cache, mask)
         return x
+
+    def forward_rows(self, embeds: torch.Tensor, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     caches: Sequence[EagleCache]) -> torch.Tensor:
+        """One pair per sequence (embeds, features [B, h]; cos, sin [B, d] at each sequence's
+        position), appended to each sequence's cache: predicted next features [B, h]."""
+        x = self.fc(torch.cat((embeds, features), dim=-1))[:, None]
+        for layer in self.layers:
+            x = layer.forward_rows(x, cos[:, None, None], sin[:, None, None], caches)
+        return x[:, 0]
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save(self, out_dir: str | Path, extra_config: dict[str, Any] | None = None) -> None:
@@ -253,6 +274,58 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def propose(self, state: EagleState, ctx: DraftContext, k: int) -> Draft:
+        feature = self._catch_up(state, ctx)
+        if feature is None:  # a one-token prompt: no feature yet to draft from
+            return Draft(torch.empty(0, dtype=torch.long))
+        if self.config.tree is not None:
+            return self._propose_tree(state, ctx, feature, k)
+        drafted: list[int] = []
+        probs: list[torch.Tensor] = []
+        for i in range(k):
+            token, p = self._sample(feature[None] @ self.head_t, ctx)
+            drafted.append(token)
+            if p is not None:
+                probs.append(p)
+            if i < k - 1:  # feed (predicted feature, drafted token): predicts the next feature
+                feature = self._run(state, torch.tensor([token], device=self.embed.device), feature[None])
+        return self._draft(drafted, probs)
+
+    @torch.inference_mode()
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        """Chains: each request catches up on its own pairs, then every draft position runs the
+        layer once for all the requests still drafting (one row each, over its own cache).
+        Trees propose request by request."""
+        if self.config.tree is not None:
+            return [self.propose(r.state, r.ctx, r.k) for r in requests]
+        features = [self._catch_up(r.state, r.ctx) for r in requests]
+        drafted: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        rows = [b for b, f in enumerate(features) if f is not None and requests[b].k > 0]
+        i = 0
+        while rows:
+            logits = torch.stack([features[b] for b in rows]) @ self.head_t  # [B, draft_vocab]
+            fed = []
+            for b, row in zip(rows, logits):
+                token, p = self._sample(row[None], requests[b].ctx)
+                drafted[b].append(token)
+                if p is not None:
+                    probs[b].append(p)
+                if i < requests[b].k - 1:
+                    fed.append(b)
+            if fed:
+                states = [requests[b].state for b in fed]
+                positions = torch.tensor([s.cache.length for s in states], device=self.embed.device)
+                tokens = torch.tensor([drafted[b][-1] for b in fed], device=self.embed.device)
+                out = self.net.forward_rows(self.embed[tokens], torch.stack([features[b] for b in fed]),
+                                            self.cos[positions], self.sin[positions], [s.cache for s in states])
+                for b, feature in zip(fed, out):
+                    features[b] = feature
+            rows, i = fed, i + 1
+        return [self._draft(d, p) for d, p in zip(drafted, probs)]
+
+    def _catch_up(self, state: EagleState, ctx: DraftContext) -> torch.Tensor | None:
+        """Feed the true pairs of the tokens accepted since the last proposal: the predicted
+        feature of the newest token (None before the first pair)."""
         if ctx.features is None:
             raise RuntimeError("the EAGLE drafter needs the target's hidden states")
         ids = ctx.token_ids
@@ -261,25 +334,19 @@ class EagleDrafter:
             pending = torch.tensor(ids[state.num_pairs + 1 : n_true + 1], dtype=torch.long, device=self.embed.device)
             state.last_feature = self._run(state, pending, ctx.features[state.num_pairs : n_true])
             state.num_pairs = n_true
-        feature = state.last_feature
-        if feature is None:  # a one-token prompt: no feature yet to draft from
-            return Draft(torch.empty(0, dtype=torch.long))
-        if self.config.tree is not None:
-            return self._propose_tree(state, ctx, feature, k)
-        drafted: list[int] = []
-        probs: list[torch.Tensor] = []
-        for i in range(k):
-            logits = feature[None] @ self.head_t  # [1, draft_vocab]
-            if ctx.params.greedy:
-                row = logits[0].argmax()
-            else:
-                p = probs_from_logits(logits, ctx.params)
-                row = torch.multinomial(p[0], 1, generator=ctx.generator)[0]
-                probs.append(full_vocab_probs(p, self.vocab_ids, self.vocab_size))
-            token = int(token_ids_of(row, self.vocab_ids))
-            drafted.append(token)
-            if i < k - 1:  # feed (predicted feature, drafted token): predicts the next feature
-                feature = self._run(state, torch.tensor([token], device=self.embed.device), feature[None])
+        return state.last_feature
+
+    def _sample(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[int, torch.Tensor | None]:
+        """The next draft token from logits [1, draft_vocab], and its distribution over the whole
+        vocabulary when sampled."""
+        if ctx.params.greedy:
+            return int(token_ids_of(logits[0].argmax(), self.vocab_ids)), None
+        p = probs_from_logits(logits, ctx.params)
+        row = torch.multinomial(p[0], 1, generator=ctx.generator)[0]
+        return int(token_ids_of(row, self.vocab_ids)), full_vocab_probs(p, self.vocab_ids, self.vocab_size)
+
+    @staticmethod
+    def _draft(drafted: list[int], probs: list[torch.Tensor]) -> Draft:
         return Draft(torch.tensor(drafted, dtype=torch.long), torch.cat(probs) if probs else None)
 
     def _propose_tree(self, state: EagleState, ctx: DraftContext, root_feature: torch.Tensor, k: int) -> Draft:

@@ -3,7 +3,8 @@
 From the target's feature f_p at the newest position whose forward has run (p = len - 2: the
 newest token, the one the target just emitted, has not been through it yet), head i proposes
 token p + 2 + i through residual blocks x + SiLU(W x + b) and a vocabulary head. The heads run
-together in one batched product; no state is carried between steps.
+together in one batched product, over every request of a batch at once (`propose_batch`); no
+state is carried between steps.
 
 Checkpoints use Medusa's layout, so heads trained elsewhere load as they are: `config.json`
 (`medusa_num_heads`, `medusa_num_layers`) and `medusa_lm_head.safetensors` with keys
@@ -16,6 +17,7 @@ none at all (the target's lm_head). Safetensors only: a pickle can run code.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from workers.drafters.base import Draft, DraftContext, full_vocab_probs, token_ids_of
+from workers.drafters.base import Draft, DraftContext, DraftRequest, full_vocab_probs, token_ids_of
 from workers.drafters.eagle import CheckpointError
 from workers.sampling import log_probs, probs_from_logits
 from workers.tree import grow_tree
@@ -153,14 +155,35 @@ class MedusaDrafter:
 
     @torch.inference_mode()
     def propose(self, state: None, ctx: DraftContext, k: int) -> Draft:
-        if ctx.features is None:
-            raise RuntimeError("the Medusa drafter needs the target's hidden states")
-        p = len(ctx.token_ids) - 2  # the newest position the target has run
-        k = min(k, self.heads.cfg.num_heads)
-        if p < 0 or k == 0:
-            return Draft(torch.empty(0, dtype=torch.long, device=ctx.features.device))
-        out = self.heads(ctx.features[p][None])[:k, 0]  # [k, h] or [k, vocab]
-        logits = out @ self.head_t if self.head_t is not None else out
+        return self.propose_batch([DraftRequest(state, ctx, k)])[0]
+
+    @torch.inference_mode()
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        """Every request's heads in one product: the features of their newest run positions
+        stacked [B, h], each request's tail (chain or tree, greedy or sampled) its own."""
+        drafts: list[Draft | None] = [None] * len(requests)
+        live: list[tuple[int, int]] = []  # (request, its newest run position)
+        for b, r in enumerate(requests):
+            if r.ctx.features is None:
+                raise RuntimeError("the Medusa drafter needs the target's hidden states")
+            p = len(r.ctx.token_ids) - 2  # the newest position the target has run
+            if p < 0 or min(r.k, self.heads.cfg.num_heads) == 0:
+                drafts[b] = Draft(torch.empty(0, dtype=torch.long, device=r.ctx.features.device))
+            else:
+                live.append((b, p))
+        if live:
+            features = torch.stack([requests[b].ctx.features[p] for b, p in live])  # [B, h]
+            k_max = min(max(requests[b].k for b, _ in live), self.heads.cfg.num_heads)
+            out = self.heads(features)[:k_max]  # [k, B, h] or [k, B, vocab]
+            logits = out @ self.head_t if self.head_t is not None else out
+            for i, (b, _) in enumerate(live):
+                r = requests[b]
+                drafts[b] = self._draft(logits[: min(r.k, k_max), i], r.ctx)
+        return [d for d in drafts if d is not None]
+
+    def _draft(self, logits: torch.Tensor, ctx: DraftContext) -> Draft:
+        """A request's draft from its heads' logits [k, vocab'], head d for token p + 2 + d."""
+        k = logits.shape[0]
         if (tree := self.config.tree) is not None:
             # head d scores every node at depth d + 1, whatever its parent: Medusa's candidate tree
             lp = log_probs(logits, ctx.params)

@@ -3,18 +3,23 @@
 The model may compute logits over a reduced draft vocabulary only (`vocab_ids`: the token id of
 each logits column, e.g. a distilled drafter's most frequent tokens): a draft token then costs a
 fraction of the full lm_head, and its probabilities are spread back over the whole vocabulary
-(zero elsewhere) for rejection sampling, which stays exact."""
+(zero elsewhere) for rejection sampling, which stays exact.
+
+Under continuous batching the drafter proposes for every request that uses it in one batched
+forward per draft position (`propose_batch`): each request's cache is then a slot of the
+drafter's own KV pool, as the target's are of its pool."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from workers.config import MAX_DRAFT_LEN, ModelDrafterConfig
-from workers.drafters.base import Draft, DraftContext, full_vocab_probs, token_ids_of
-from workers.models.base import CausalLM, KVCache
+from workers.drafters.base import Draft, DraftContext, DraftRequest, full_vocab_probs, token_ids_of
+from workers.models.base import BatchedLM, CausalLM, KVCache, KVPoolLike, SeqInput
 from workers.sampling import log_probs, probs_from_logits
 from workers.tree import TreeGrowth, grow_tree
 
@@ -30,41 +35,100 @@ class ModelDrafter:
     needs_hidden_states: ClassVar[bool] = False
     cheap: ClassVar[bool] = False
 
-    def __init__(self, config: ModelDrafterConfig, model: CausalLM, vocab_ids: torch.Tensor | None = None) -> None:
+    def __init__(self, config: ModelDrafterConfig, model: CausalLM, vocab_ids: torch.Tensor | None = None,
+                 max_num_seqs: int = 1) -> None:
+        """`max_num_seqs`: requests that may draft at once (the scheduler's), the slots of the KV
+        pool batched proposals run in; 1: every request drafts alone in a cache of its own."""
         self.config = config
         self.name = config.name
         self.model = model
         self.vocab_ids = None if vocab_ids is None else vocab_ids.to(model.device)
+        self.max_num_seqs = max_num_seqs
+        self._pool: KVPoolLike | None = None  # made at the first request that can use it
 
     def begin(self, ctx: DraftContext) -> ModelDraftState:
+        if self.config.tree is None and self.max_num_seqs > 1 and isinstance(self.model, BatchedLM):
+            if self._pool is None:
+                self._pool = self.model.new_pool(self.max_num_seqs, self.model.info.max_position)
+            if self._pool.num_free:  # more requests than slots (a serial run beside a batch): its own cache
+                return ModelDraftState(cache=self._pool.allocate())
         # drafts stay inside the request's token budget, so its length bounds the cache too; a
         # tree's levels take up to topk rows per depth past the context
         extra = self.config.tree.topk * MAX_DRAFT_LEN if self.config.tree is not None else 0
         return ModelDraftState(cache=self.model.new_cache(min(ctx.max_len + extra, self.model.info.max_position)))
 
     def propose(self, state: ModelDraftState, ctx: DraftContext, k: int) -> Draft:
-        device = self.model.device
-        pending = torch.tensor(ctx.token_ids[state.num_cached :], dtype=torch.long, device=device)
+        pending = self._pending(state, ctx)
         logits = self.model.forward(pending, state.cache, last_only=True).logits  # [1, vocab]
-        state.num_cached = len(ctx.token_ids)
         if self.config.tree is not None:
             return self._propose_tree(state, ctx, logits[-1], k)
         token_ids: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
-            if ctx.params.greedy:
-                row = logits[-1].argmax().view(1)
-            else:
-                p = probs_from_logits(logits[-1:], ctx.params)  # [1, vocab']
-                row = torch.multinomial(p[0], 1, generator=ctx.generator)
-                probs.append(full_vocab_probs(p, self.vocab_ids, self.model.info.vocab_size))
-            token = token_ids_of(row, self.vocab_ids)
+            token, p = self._sample(logits[-1:], ctx)
             token_ids.append(token)
+            if p is not None:
+                probs.append(p)
             if i < k - 1:  # the last draft token is never fed: nothing would read its logits
                 logits = self.model.forward(token, state.cache).logits
         state.num_draft_cached = max(k - 1, 0)
+        return self._draft(token_ids, probs)
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        """The requests drafting in slots of the pool run each draft position in one forward:
+        first every request's pending tokens (those emitted since its last proposal), then one
+        row per request still drafting. The others propose alone."""
+        pool = self._pool
+        pooled = [b for b, r in enumerate(requests)
+                  if pool is not None and getattr(r.state.cache, "pool", None) is pool]
+        drafts: dict[int, Draft] = {b: self.propose(r.state, r.ctx, r.k)
+                                    for b, r in enumerate(requests) if b not in pooled}
+        model = self.model
+        assert isinstance(model, BatchedLM) or not pooled
+        tokens: dict[int, list[torch.Tensor]] = {b: [] for b in pooled}
+        probs: dict[int, list[torch.Tensor]] = {b: [] for b in pooled}
+        rows = pooled  # the requests whose rows the next forward runs, in order
+        inputs = [SeqInput(self._pending(requests[b].state, requests[b].ctx), requests[b].state.cache, "last")
+                  for b in rows]
+        i = 0
+        while inputs:
+            outs = model.forward_batch(inputs)
+            next_rows, inputs = [], []
+            for b, out in zip(rows, outs):
+                r = requests[b]
+                if i >= r.k:  # k = 0: caught up only
+                    continue
+                token, p = self._sample(out.logits[-1:], r.ctx)
+                tokens[b].append(token)
+                if p is not None:
+                    probs[b].append(p)
+                if i < r.k - 1:  # the last draft token is never fed
+                    inputs.append(SeqInput(token, r.state.cache, "last"))
+                    next_rows.append(b)
+            rows, i = next_rows, i + 1
+        for b in pooled:
+            requests[b].state.num_draft_cached = max(requests[b].k - 1, 0)
+            drafts[b] = self._draft(tokens[b], probs[b])
+        return [drafts[b] for b in range(len(requests))]
+
+    def _pending(self, state: ModelDraftState, ctx: DraftContext) -> torch.Tensor:
+        """The tokens emitted since the cache was last fed; the cache will hold all of ctx."""
+        pending = torch.tensor(ctx.token_ids[state.num_cached :], dtype=torch.long, device=self.model.device)
+        state.num_cached = len(ctx.token_ids)
+        return pending
+
+    def _sample(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next draft token [1] from logits [1, vocab'], and its distribution over the whole
+        vocabulary when sampled."""
+        if ctx.params.greedy:
+            return token_ids_of(logits[0].argmax().view(1), self.vocab_ids), None
+        p = probs_from_logits(logits, ctx.params)  # [1, vocab']
+        row = torch.multinomial(p[0], 1, generator=ctx.generator)
+        return token_ids_of(row, self.vocab_ids), full_vocab_probs(p, self.vocab_ids, self.model.info.vocab_size)
+
+    def _draft(self, token_ids: list[torch.Tensor], probs: list[torch.Tensor]) -> Draft:
         if not token_ids:
-            return Draft(torch.empty(0, dtype=torch.long, device=device))
+            return Draft(torch.empty(0, dtype=torch.long, device=self.model.device))
         return Draft(torch.cat(token_ids), torch.cat(probs) if probs else None)
 
     def _propose_tree(self, state: ModelDraftState, ctx: DraftContext, root_logits: torch.Tensor, k: int) -> Draft:
@@ -95,4 +159,6 @@ class ModelDrafter:
         state.num_draft_cached = 0
 
     def end(self, state: ModelDraftState) -> None:
+        if self._pool is not None and getattr(state.cache, "pool", None) is self._pool:
+            self._pool.release(state.cache)
         state.cache = None  # type: ignore[assignment]  # free the cache memory now

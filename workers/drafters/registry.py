@@ -38,10 +38,10 @@ def input_embeddings(model: CausalLM) -> torch.Tensor:
 
 
 def build_model_drafter(
-    config: ModelDrafterConfig, vocab_size: int | None, embeddings: torch.Tensor | None,
+    config: ModelDrafterConfig, vocab_size: int | None, embeddings: torch.Tensor | None, max_num_seqs: int = 1,
 ) -> ModelDrafter:
     """`vocab_size`: the target's (None: not checked here); `embeddings`: the target's, for a
-    drafter that shares them (workers/target.py)."""
+    drafter that shares them (workers/target.py); `max_num_seqs`: requests drafting at once."""
     try:
         loaded = load_model(config.model, embeddings)
     except ModelLoadError as e:
@@ -54,7 +54,7 @@ def build_model_drafter(
             f"drafter {config.name!r}: vocabulary size {loaded.model.info.vocab_size} does not "
             f"match the target's {vocab_size}"
         )
-    return ModelDrafter(config, loaded.model, loaded.draft_vocab)
+    return ModelDrafter(config, loaded.model, loaded.draft_vocab, max_num_seqs)
 
 
 def _build_eagle_drafter(config: EagleDrafterConfig, target: LoadedModel) -> EagleDrafter:
@@ -83,8 +83,11 @@ def _build_medusa_drafter(config: MedusaDrafterConfig, target: LoadedModel) -> M
                          model.info.vocab_size, head_t)
 
 
-def build_drafter(config: DrafterConfig, target: LoadedModel, service: DraftService | None = None) -> Drafter:
-    """`service`: where a drafter with its own deployment runs (None: build it here, colocated)."""
+def build_drafter(
+    config: DrafterConfig, target: LoadedModel, service: DraftService | None = None, max_num_seqs: int = 1,
+) -> Drafter:
+    """`service`: where a drafter with its own deployment runs (None: build it here, colocated);
+    `max_num_seqs`: the requests that may draft at once (the scheduler's)."""
     if getattr(config, "tree", None) is not None and not target.model.supports_tree:
         raise ModelLoadError(f"drafter {config.name!r}: draft trees need the fast Llama backend "
                              "(target backend: fast or auto)")
@@ -100,7 +103,8 @@ def build_drafter(config: DrafterConfig, target: LoadedModel, service: DraftServ
     if isinstance(config, ModelDrafterConfig):
         if service is not None:
             return RemoteDrafter(config, service, target.model.info.vocab_size)
-        return build_model_drafter(config, target.model.info.vocab_size, input_embeddings(target.model))
+        return build_model_drafter(config, target.model.info.vocab_size, input_embeddings(target.model),
+                                   max_num_seqs)
     if isinstance(config, EagleDrafterConfig):
         return _build_eagle_drafter(config, target)
     if isinstance(config, MedusaDrafterConfig):
@@ -110,6 +114,7 @@ def build_drafter(config: DrafterConfig, target: LoadedModel, service: DraftServ
 
 def build_drafters(
     configs: Sequence[DrafterConfig], target: LoadedModel, services: Mapping[str, DraftService] | None = None,
+    max_num_seqs: int = 1,
 ) -> dict[str, Drafter]:
     services = services or {}
-    return {c.name: build_drafter(c, target, services.get(c.name)) for c in configs}
+    return {c.name: build_drafter(c, target, services.get(c.name), max_num_seqs) for c in configs}
