@@ -14,7 +14,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from workers.config import ModelConfig, default_cache_dir
+from workers.config import ModelConfig, ModelDrafterConfig, default_cache_dir
+from workers.drafters import registry
 from workers.models import llama
 from workers.models.hf import HFCausalLM
 from workers.models.llama import FastLlama
@@ -313,4 +314,16 @@ def test_cuda_without_cuda_raises() -> None:
 
 def test_dtype_resolution() -> None:
     assert resolve_device_dtype(ModelConfig()) == (torch.device("cpu"), torch.float32)
+    assert resolve_device_dtype(ModelConfig(dtype="bfloat16"))[1] == torch.bfloat16
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_a_drafter_in_bfloat16_drafts_in_float32_where_the_cpu_has_no_fast_bfloat16(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, pays: bool,
+) -> None:
+    """A drafter's dtype only sets its speed; the target's is the user's, always."""
+    monkeypatch.setattr(registry, "cpu_bfloat16_pays", lambda: pays)
+    config = ModelDrafterConfig(name="d", model=ModelConfig(model=str(tiny_llama_dir), dtype="bfloat16"))
+    drafter = registry.build_model_drafter(config, None, None)
+    assert drafter.model.dtype == (torch.bfloat16 if pays else torch.float32)
     assert resolve_device_dtype(ModelConfig(dtype="bfloat16"))[1] == torch.bfloat16

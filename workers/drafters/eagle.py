@@ -16,6 +16,7 @@ of each row). Weights load from safetensors only: a pickle can run code.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -132,16 +133,22 @@ class EagleLayer(nn.Module):
                 causal = False
         return self.finish(x, self.attend(q, k, v, mask, causal))
 
-    def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     caches: Sequence[EagleCache]) -> torch.Tensor:
-        """One new row per sequence, each with its own cache: x [B, 1, h]; cos, sin [B, 1, 1, d].
-        The products run once for all rows; each row attends over its own cache."""
+    def forward_packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       caches: Sequence[EagleCache], lengths: Sequence[int]) -> torch.Tensor:
+        """Several sequences' new rows packed in one block, x [1, N, h] (lengths[i] rows of
+        sequence i, in order), cos, sin [N, d] at each row's position: the products run once for
+        all rows; each sequence's rows attend, causally, over its own cache."""
         q, k, v = self.qkv(x, cos, sin)
-        attn = []
-        for b, cache in enumerate(caches):
-            keys, values = cache.append(k[b], v[b])
-            attn.append(self.attend(q[b : b + 1], keys[None], values[None]))
-        return self.finish(x, torch.cat(attn))
+        attn, start = [], 0
+        for cache, n in zip(caches, lengths):
+            rows, past = slice(start, start + n), cache.length
+            keys, values = cache.append(k[0, :, rows], v[0, :, rows])
+            mask = None
+            if n > 1:
+                mask = torch.arange(past + n, device=x.device) <= torch.arange(past, past + n, device=x.device)[:, None]
+            attn.append(self.attend(q[:, :, rows], keys[None], values[None], mask))
+            start += n
+        return self.finish(x, torch.cat(attn, dim=2))
 
 
 @dataclass
@@ -186,14 +193,15 @@ class EagleNet(nn.Module):
             x = layer(x, cos, sin, cache, mask)
         return x
 
-    def forward_rows(self, embeds: torch.Tensor, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     caches: Sequence[EagleCache]) -> torch.Tensor:
-        """One pair per sequence (embeds, features [B, h]; cos, sin [B, d] at each sequence's
-        position), appended to each sequence's cache: predicted next features [B, h]."""
-        x = self.fc(torch.cat((embeds, features), dim=-1))[:, None]
+    def forward_packed(self, embeds: torch.Tensor, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       caches: Sequence[EagleCache], lengths: Sequence[int]) -> torch.Tensor:
+        """Pairs of several sequences packed in one block (embeds, features [N, h]; cos, sin [N, d];
+        lengths[i] rows of sequence i, in order), appended to each one's cache: predicted next
+        features [N, h]."""
+        x = self.fc(torch.cat((embeds, features), dim=-1))[None]
         for layer in self.layers:
-            x = layer.forward_rows(x, cos[:, None, None], sin[:, None, None], caches)
-        return x[:, 0]
+            x = layer.forward_packed(x, cos, sin, caches, lengths)
+        return x[0]
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save(self, out_dir: str | Path, extra_config: dict[str, Any] | None = None) -> None:
@@ -266,38 +274,23 @@ class EagleDrafter:
         return EagleState(EagleCache(torch.empty(shape, dtype=dtype, device=device),
                                      torch.empty(shape, dtype=dtype, device=device)))
 
-    def _run(self, state: EagleState, token_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """Feed pairs (features[i], token_ids[i]) at the next cache positions; the last output."""
-        start, n = state.cache.length, token_ids.shape[0]
-        cos, sin = self.cos[start : start + n], self.sin[start : start + n]  # [T, d]
-        return self.net(self.embed[token_ids][None], features[None], cos, sin, state.cache)[0, -1]
-
     @torch.inference_mode()
     def propose(self, state: EagleState, ctx: DraftContext, k: int) -> Draft:
-        feature = self._catch_up(state, ctx)
+        if self.config.tree is None:
+            return self.propose_batch([DraftRequest(state, ctx, k)])[0]
+        feature = self._catch_up([DraftRequest(state, ctx, k)])[0]
         if feature is None:  # a one-token prompt: no feature yet to draft from
-            return Draft(torch.empty(0, dtype=torch.long))
-        if self.config.tree is not None:
-            return self._propose_tree(state, ctx, feature, k)
-        drafted: list[int] = []
-        probs: list[torch.Tensor] = []
-        for i in range(k):
-            token, p = self._sample(feature[None] @ self.head_t, ctx)
-            drafted.append(token)
-            if p is not None:
-                probs.append(p)
-            if i < k - 1:  # feed (predicted feature, drafted token): predicts the next feature
-                feature = self._run(state, torch.tensor([token], device=self.embed.device), feature[None])
-        return self._draft(drafted, probs)
+            return self._draft([], [])
+        return self._propose_tree(state, ctx, feature, k)
 
     @torch.inference_mode()
     def propose_batch(self, requests: Sequence[DraftRequest]) -> list[Draft]:
-        """Chains: each request catches up on its own pairs, then every draft position runs the
-        layer once for all the requests still drafting (one row each, over its own cache).
-        Trees propose request by request."""
+        """Chains: one forward catches every request up on its pairs, then each draft position
+        runs the layer once for all the requests still drafting (one row each, over its own
+        cache). Trees propose request by request."""
         if self.config.tree is not None:
             return [self.propose(r.state, r.ctx, r.k) for r in requests]
-        features = [self._catch_up(r.state, r.ctx) for r in requests]
+        features = self._catch_up(requests)
         drafted: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         rows = [b for b, f in enumerate(features) if f is not None and requests[b].k > 0]
@@ -310,31 +303,47 @@ class EagleDrafter:
                 drafted[b].append(token)
                 if p is not None:
                     probs[b].append(p)
-                if i < requests[b].k - 1:
+                if i < requests[b].k - 1:  # feed (predicted feature, drafted token): the next feature
                     fed.append(b)
             if fed:
-                states = [requests[b].state for b in fed]
-                positions = torch.tensor([s.cache.length for s in states], device=self.embed.device)
-                tokens = torch.tensor([drafted[b][-1] for b in fed], device=self.embed.device)
-                out = self.net.forward_rows(self.embed[tokens], torch.stack([features[b] for b in fed]),
-                                            self.cos[positions], self.sin[positions], [s.cache for s in states])
+                device = self.embed.device
+                out = self._feed([(requests[b].state, torch.tensor(drafted[b][-1:], device=device), features[b][None])
+                                  for b in fed])
                 for b, feature in zip(fed, out):
                     features[b] = feature
             rows, i = fed, i + 1
         return [self._draft(d, p) for d, p in zip(drafted, probs)]
 
-    def _catch_up(self, state: EagleState, ctx: DraftContext) -> torch.Tensor | None:
-        """Feed the true pairs of the tokens accepted since the last proposal: the predicted
-        feature of the newest token (None before the first pair)."""
-        if ctx.features is None:
-            raise RuntimeError("the EAGLE drafter needs the target's hidden states")
-        ids = ctx.token_ids
-        n_true = len(ids) - 1  # features are known for every token but the newest
-        if n_true > state.num_pairs:  # pairs (f_t, x_{t+1}) for the tokens accepted since last time
-            pending = torch.tensor(ids[state.num_pairs + 1 : n_true + 1], dtype=torch.long, device=self.embed.device)
-            state.last_feature = self._run(state, pending, ctx.features[state.num_pairs : n_true])
-            state.num_pairs = n_true
-        return state.last_feature
+    def _catch_up(self, requests: Sequence[DraftRequest]) -> list[torch.Tensor | None]:
+        """Feed every request the true pairs of the tokens accepted since its last proposal, all
+        in one forward: the predicted feature of each one's newest token (None before its first
+        pair)."""
+        pending = []
+        for r in requests:
+            if r.ctx.features is None:
+                raise RuntimeError("the EAGLE drafter needs the target's hidden states")
+            n_true = len(r.ctx.token_ids) - 1  # features are known for every token but the newest
+            if n_true > r.state.num_pairs:  # pairs (f_t, x_{t+1}) for the tokens accepted since last time
+                ids = torch.tensor(r.ctx.token_ids[r.state.num_pairs + 1 : n_true + 1], dtype=torch.long,
+                                   device=self.embed.device)
+                pending.append((r.state, ids, r.ctx.features[r.state.num_pairs : n_true]))
+        if pending:
+            for (state, ids, _), feature in zip(pending, self._feed(pending)):
+                state.last_feature = feature
+                state.num_pairs += ids.shape[0]
+        return [r.state.last_feature for r in requests]
+
+    def _feed(self, pairs: Sequence[tuple[EagleState, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Feed each state its pairs (token ids [n], features [n, h]) at its next cache positions,
+        every state's in one packed forward: each state's last predicted feature."""
+        lengths = [ids.shape[0] for _, ids, _ in pairs]
+        positions = torch.cat([torch.arange(s.cache.length, s.cache.length + n)
+                               for (s, _, _), n in zip(pairs, lengths)]).to(self.embed.device)
+        out = self.net.forward_packed(
+            self.embed[torch.cat([ids for _, ids, _ in pairs])], torch.cat([f for _, _, f in pairs]),
+            self.cos[positions], self.sin[positions], [s.cache for s, _, _ in pairs], lengths,
+        )
+        return [out[end - 1] for end in itertools.accumulate(lengths)]
 
     def _sample(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[int, torch.Tensor | None]:
         """The next draft token from logits [1, draft_vocab], and its distribution over the whole

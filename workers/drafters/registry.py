@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -26,7 +27,9 @@ from workers.drafters.suffix import SuffixDrafter
 from workers.models.base import CausalLM
 from workers.models.hf import HFCausalLM
 from workers.models.llama import FastLlama
-from workers.target import LoadedModel, ModelLoadError, load_model
+from workers.target import LoadedModel, ModelLoadError, cpu_bfloat16_pays, load_model
+
+log = logging.getLogger(__name__)
 
 
 def input_embeddings(model: CausalLM) -> torch.Tensor:
@@ -41,7 +44,14 @@ def build_model_drafter(
     config: ModelDrafterConfig, vocab_size: int | None, embeddings: torch.Tensor | None, max_num_seqs: int = 1,
 ) -> ModelDrafter:
     """`vocab_size`: the target's (None: not checked here); `embeddings`: the target's, for a
-    drafter that shares them (workers/target.py); `max_num_seqs`: requests drafting at once."""
+    drafter that shares them (workers/target.py); `max_num_seqs`: requests drafting at once.
+
+    A drafter's dtype is a speed choice only (verification keeps the output the target's), so
+    bfloat16 on a CPU that computes it far slower than float32 drafts in float32 instead."""
+    if (config.model.dtype == "bfloat16" and torch.device(config.model.device).type == "cpu"
+            and not cpu_bfloat16_pays()):
+        log.warning("drafter %r: this CPU has no fast bfloat16 products; drafting in float32", config.name)
+        config = config.model_copy(update={"model": config.model.model_copy(update={"dtype": "float32"})})
     try:
         loaded = load_model(config.model, embeddings)
     except ModelLoadError as e:
