@@ -144,9 +144,9 @@ class EagleLayer(nn.Module):
             rows, past = slice(start, start + n), cache.length
             keys, values = cache.append(k[0, :, rows], v[0, :, rows])
             mask = None
-            if n > 1:
+            if n > 1 and past:  # causal over the new rows, after everything cached
                 mask = torch.arange(past + n, device=x.device) <= torch.arange(past, past + n, device=x.device)[:, None]
-            attn.append(self.attend(q[:, :, rows], keys[None], values[None], mask))
+            attn.append(self.attend(q[:, :, rows], keys[None], values[None], mask, causal=n > 1 and not past))
             start += n
         return self.finish(x, torch.cat(attn, dim=2))
 
