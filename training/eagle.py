@@ -43,7 +43,8 @@ from training.data import Window, draft_head_t
 from training.features import FeatureSet
 from training.output import data_section, last_entry, mat_section, run_lines, save_net, training_summary, windows_line
 from training.trainer import DrafterKind, train
-from workers.drafters.eagle import CheckpointError, EagleConfig, EagleNet
+from workers.drafters.checkpoint import CheckpointError
+from workers.drafters.eagle import EagleConfig, EagleNet
 from workers.models.llama import FastLlama
 from workers.target import LoadedModel
 

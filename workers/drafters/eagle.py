@@ -17,7 +17,6 @@ of each row). Weights load from safetensors only: a pickle can run code.
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,15 +28,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from workers.drafters.base import Draft, DraftContext, DraftRequest, full_vocab_probs, token_ids_of
+from workers.drafters.checkpoint import CheckpointError, missing_weights, read_config, write_config
 from workers.models.base import TargetView
 from workers.sampling import log_probs, probs_from_logits
 from workers.tree import TreeGrowth, grow_tree
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.safetensors")
-
-
-class CheckpointError(ValueError):
-    """A drafter checkpoint that cannot serve this target; the message names the file or sizes."""
 
 
 @dataclass(frozen=True)
@@ -209,16 +205,13 @@ class EagleNet(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         save_file(tensors, str(out / WEIGHT_FILES[0]))
-        (out / "config.json").write_text(json.dumps({**self.cfg.to_json(), **(extra_config or {})}, indent=2) + "\n")
+        write_config(out, {**self.cfg.to_json(), **(extra_config or {})})
 
     @classmethod
     def load(cls, path: str | Path, hidden_size: int, vocab_size: int) -> EagleNet:
         """A checkpoint folder in the EAGLE layout, checked against the target's sizes."""
         folder = Path(path)
-        config_path = folder / "config.json"
-        if not config_path.is_file():
-            raise CheckpointError(f"no EAGLE config at {config_path}")
-        cfg = EagleConfig.from_json(json.loads(config_path.read_text()))
+        cfg = EagleConfig.from_json(read_config(folder, "EAGLE"))
         if cfg.hidden_size != hidden_size:
             raise CheckpointError(f"{folder}: EAGLE hidden size {cfg.hidden_size} does not match the target's "
                                   f"hidden size {hidden_size}")
@@ -227,9 +220,7 @@ class EagleNet(nn.Module):
                                   f"vocabulary size {vocab_size}")
         weights = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
         if weights is None:
-            pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
-            hint = f" ({', '.join(pickled)} is a pickle: convert it to safetensors)" if pickled else ""
-            raise CheckpointError(f"no weights at {folder / WEIGHT_FILES[0]}{hint}")
+            raise missing_weights(folder / WEIGHT_FILES[0])
         state = load_file(str(weights))
         state.pop("embed_tokens.weight", None)  # official checkpoints may carry the target's embeddings
         net = cls(cfg)

@@ -16,7 +16,6 @@ none at all (the target's lm_head). Safetensors only: a pickle can run code.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from workers.drafters.base import Draft, DraftContext, DraftRequest, full_vocab_probs, token_ids_of
-from workers.drafters.eagle import CheckpointError
+from workers.drafters.checkpoint import CheckpointError, missing_weights, read_config, write_config
 from workers.sampling import log_probs, probs_from_logits
 from workers.tree import grow_tree
 
@@ -87,22 +86,17 @@ class MedusaHeads(nn.Module):
         config = {"medusa_num_heads": self.cfg.num_heads, "medusa_num_layers": self.cfg.num_layers,
                   "hidden_size": self.cfg.hidden_size, "vocab_size": self.cfg.vocab_size,
                   "draft_vocab_size": self.cfg.draft_vocab_size, **(extra_config or {})}
-        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_config(out, config)
 
     @classmethod
     def load(cls, path: str | Path, hidden_size: int, vocab_size: int) -> MedusaHeads:
         folder = Path(path)
-        config_path = folder / "config.json"
-        if not config_path.is_file():
-            raise CheckpointError(f"no Medusa config at {config_path}")
-        data = json.loads(config_path.read_text())
+        data = read_config(folder, "Medusa")
         if "medusa_num_heads" not in data:
-            raise CheckpointError(f"{config_path} lacks medusa_num_heads")
+            raise CheckpointError(f"{folder / 'config.json'} lacks medusa_num_heads")
         weights = folder / WEIGHT_FILE
         if not weights.is_file():
-            pickled = [p.name for p in folder.glob("*.pt")] + [p.name for p in folder.glob("*.bin")]
-            hint = f" ({', '.join(pickled)} is a pickle: convert it to safetensors)" if pickled else ""
-            raise CheckpointError(f"no weights at {weights}{hint}")
+            raise missing_weights(weights)
         state = load_file(str(weights))
         num_heads, num_layers = int(data["medusa_num_heads"]), int(data.get("medusa_num_layers", 1))
         block = state.get("0.0.linear.weight")

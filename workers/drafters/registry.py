@@ -17,7 +17,8 @@ from workers.config import (
     SuffixDrafterConfig,
 )
 from workers.drafters.base import Drafter
-from workers.drafters.eagle import CheckpointError, EagleDrafter, EagleNet
+from workers.drafters.checkpoint import CheckpointError
+from workers.drafters.eagle import EagleDrafter, EagleNet
 from workers.drafters.lookahead import LookaheadDrafter
 from workers.drafters.medusa import MedusaDrafter, MedusaHeads
 from workers.drafters.model import ModelDrafter
