@@ -326,6 +326,7 @@ def test_requests_sharing_a_drafter_draft_in_one_call_and_decode_as_alone(
     other = with_features.drafters["other"]
     assert isinstance(other, ModelDrafter) and other._pool is not None
     assert other._pool.num_free == other._pool.num_slots
+    assert other._pool.capacity == with_features.max_model_len  # slots as long as the target's context
 
 
 @pytest.mark.parametrize("drafter", ["self", "medusa_case", "eagle_case"])

@@ -420,7 +420,8 @@ class SpecEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         target = load_model(config.target)
-        drafters = build_drafters(config.drafters, target, services, config.scheduler.max_num_seqs)
+        drafters = build_drafters(config.drafters, target, services, config.scheduler.max_num_seqs,
+                                  config.target.max_model_len)
         return cls(target, drafters, config)
 
     @property

@@ -36,21 +36,25 @@ class ModelDrafter:
     cheap: ClassVar[bool] = False
 
     def __init__(self, config: ModelDrafterConfig, model: CausalLM, vocab_ids: torch.Tensor | None = None,
-                 max_num_seqs: int = 1) -> None:
+                 max_num_seqs: int = 1, max_model_len: int | None = None) -> None:
         """`max_num_seqs`: requests that may draft at once (the scheduler's), the slots of the KV
-        pool batched proposals run in; 1: every request drafts alone in a cache of its own."""
+        pool batched proposals run in; 1: every request drafts alone in a cache of its own.
+        `max_model_len`: the target's context limit, which bounds each slot (default: the
+        model's positions)."""
         self.config = config
         self.name = config.name
         self.model = model
         self.vocab_ids = None if vocab_ids is None else vocab_ids.to(model.device)
         self.max_num_seqs = max_num_seqs
+        self.slot_capacity = min(model.info.max_position, max_model_len or model.info.max_position)
         self._pool: KVPoolLike | None = None  # made at the first request that can use it
 
     def begin(self, ctx: DraftContext) -> ModelDraftState:
         if self.config.tree is None and self.max_num_seqs > 1 and isinstance(self.model, BatchedLM):
             if self._pool is None:
-                self._pool = self.model.new_pool(self.max_num_seqs, self.model.info.max_position)
-            if self._pool.num_free:  # more requests than slots (a serial run beside a batch): its own cache
+                self._pool = self.model.new_pool(self.max_num_seqs, self.slot_capacity)
+            # else (more requests than slots: a serial run beside a batch) a cache of its own
+            if self._pool.num_free and ctx.max_len <= self._pool.capacity:
                 return ModelDraftState(cache=self._pool.allocate())
         # drafts stay inside the request's token budget, so its length bounds the cache too; a
         # tree's levels take up to topk rows per depth past the context

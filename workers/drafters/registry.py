@@ -43,9 +43,11 @@ def input_embeddings(model: CausalLM) -> torch.Tensor:
 
 def build_model_drafter(
     config: ModelDrafterConfig, vocab_size: int | None, embeddings: torch.Tensor | None, max_num_seqs: int = 1,
+    max_model_len: int | None = None,
 ) -> ModelDrafter:
     """`vocab_size`: the target's (None: not checked here); `embeddings`: the target's, for a
-    drafter that shares them (workers/target.py); `max_num_seqs`: requests drafting at once.
+    drafter that shares them (workers/target.py); `max_num_seqs`: requests drafting at once;
+    `max_model_len`: the target's context limit, when configured (ModelDrafter).
 
     A drafter's dtype is a speed choice only (verification keeps the output the target's), so
     bfloat16 on a CPU that computes it far slower than float32 drafts in float32 instead."""
@@ -65,7 +67,7 @@ def build_model_drafter(
             f"drafter {config.name!r}: vocabulary size {loaded.model.info.vocab_size} does not "
             f"match the target's {vocab_size}"
         )
-    return ModelDrafter(config, loaded.model, loaded.draft_vocab, max_num_seqs)
+    return ModelDrafter(config, loaded.model, loaded.draft_vocab, max_num_seqs, max_model_len)
 
 
 def _build_eagle_drafter(config: EagleDrafterConfig, target: LoadedModel) -> EagleDrafter:
@@ -96,9 +98,11 @@ def _build_medusa_drafter(config: MedusaDrafterConfig, target: LoadedModel) -> M
 
 def build_drafter(
     config: DrafterConfig, target: LoadedModel, service: DraftService | None = None, max_num_seqs: int = 1,
+    max_model_len: int | None = None,
 ) -> Drafter:
     """`service`: where a drafter with its own deployment runs (None: build it here, colocated);
-    `max_num_seqs`: the requests that may draft at once (the scheduler's)."""
+    `max_num_seqs`: the requests that may draft at once (the scheduler's); `max_model_len`: the
+    target's context limit, when configured."""
     if getattr(config, "tree", None) is not None and not target.model.supports_tree:
         raise ModelLoadError(f"drafter {config.name!r}: draft trees need the fast Llama backend "
                              "(target backend: fast or auto)")
@@ -115,7 +119,7 @@ def build_drafter(
         if service is not None:
             return RemoteDrafter(config, service, target.model.info.vocab_size)
         return build_model_drafter(config, target.model.info.vocab_size, input_embeddings(target.model),
-                                   max_num_seqs)
+                                   max_num_seqs, max_model_len)
     if isinstance(config, EagleDrafterConfig):
         return _build_eagle_drafter(config, target)
     if isinstance(config, MedusaDrafterConfig):
@@ -125,7 +129,7 @@ def build_drafter(
 
 def build_drafters(
     configs: Sequence[DrafterConfig], target: LoadedModel, services: Mapping[str, DraftService] | None = None,
-    max_num_seqs: int = 1,
+    max_num_seqs: int = 1, max_model_len: int | None = None,
 ) -> dict[str, Drafter]:
     services = services or {}
-    return {c.name: build_drafter(c, target, services.get(c.name), max_num_seqs) for c in configs}
+    return {c.name: build_drafter(c, target, services.get(c.name), max_num_seqs, max_model_len) for c in configs}
