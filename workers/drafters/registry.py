@@ -26,9 +26,10 @@ from workers.drafters.ngram import NgramDrafter
 from workers.drafters.remote import DraftService, RemoteDrafter
 from workers.drafters.suffix import SuffixDrafter
 from workers.models.base import CausalLM
+from workers.models.cpu import cpu_bfloat16_pays
 from workers.models.hf import HFCausalLM
 from workers.models.llama import FastLlama
-from workers.target import LoadedModel, ModelLoadError, cpu_bfloat16_pays, load_model
+from workers.target import LoadedModel, ModelLoadError, load_model
 
 log = logging.getLogger(__name__)
 

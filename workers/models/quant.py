@@ -20,19 +20,19 @@ whatever else shares its forward. Rounding to bfloat16 would magnify any float32
     at 256 against 512 rows), never with the row's place or neighbours in a call of fixed size.
     Without them (AVX2 only) the same GEMM takes a reference path ~50x slower than the int4
     kernel (342 ms against 7 ms for 256 rows of [576, 1536]), so prompt rows take the int4
-    kernel too and no dense copy is kept: `dense_prefill_pays`, timed once per process;
+    kernel too and no dense copy is kept (`cpu_bfloat16_pays`, workers/models/cpu.py);
   * attention: see workers/models/llama.py, invariant_min_queries.
 """
 
 from __future__ import annotations
 
-import functools
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from workers.models.cpu import cpu_bfloat16_pays
 
 GROUP_SIZE = 32  # weights per Q4_0 / Q4_1 block
 _INNER_K_TILES = 2  # the int4 packing's tile factor (the kernel's default for CPU)
@@ -131,25 +131,6 @@ def read_gguf_int4(path: Path, num_layers: int, num_heads: int, num_kv_heads: in
     return weights
 
 
-@functools.cache
-def dense_prefill_pays() -> bool:
-    """Whether 256 prompt rows run faster through a dense bfloat16 product than through the int4
-    kernel on this CPU: one call of each on a [576, 1536] weight (SmolLM2's widest product)."""
-    rows, in_features, out_features = _DENSE_ROWS, 576, 1536
-    w = Int4Weight(torch.randint(0, 16, (out_features, in_features), dtype=torch.int32),
-                   torch.full((in_features // GROUP_SIZE, out_features), 0.01),
-                   torch.zeros(in_features // GROUP_SIZE, out_features))
-    lin = Int4Linear(w, dense=True)
-    x = torch.randn(rows, in_features).to(_COMPUTE_DTYPE)
-    timed = {}
-    for name, product in (("int4", lin._int4), ("dense", lin._dense)):
-        product(x[:8])  # warm up the kernel
-        t0 = time.perf_counter()
-        product(x)
-        timed[name] = time.perf_counter() - t0
-    return timed["dense"] < timed["int4"]
-
-
 class Int4Linear:
     """y = x @ W.T for an Int4Weight: the first `num_scored` rows through the int4 kernel, the
     rest (prefill rows) through the dense bfloat16 copy when `dense` (default: where it pays, see
@@ -161,7 +142,7 @@ class Int4Linear:
         self.scales_zeros = torch.stack([scales, zeros], dim=-1).contiguous()  # [in / 32, out, 2]
         # the same values the kernel computes with (bfloat16 scales and zeros), rounded to bfloat16
         self.w_t: torch.Tensor | None = None
-        if dense if dense is not None else dense_prefill_pays():
+        if dense if dense is not None else cpu_bfloat16_pays():
             self.w_t = (Int4Weight(weight.q, scales.float(), zeros.float()).dequantize().to(_COMPUTE_DTYPE)
                         .t().contiguous())
 
