@@ -11,7 +11,8 @@ drafter's own KV pool, as the target's are of its pool."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -19,7 +20,7 @@ import torch
 
 from workers.config import MAX_DRAFT_LEN, ModelDrafterConfig
 from workers.drafters.base import Draft, DraftContext, DraftRequest, full_vocab_probs, token_ids_of
-from workers.models.base import BatchedLM, CausalLM, KVCache, KVPoolLike, SeqInput
+from workers.models.base import BatchedLM, CausalLM, ForwardOutput, KVCache, KVPoolLike, SeqInput, forward_each
 from workers.sampling import log_probs, probs_from_logits
 from workers.tree import TreeGrowth, grow_tree
 
@@ -62,41 +63,38 @@ class ModelDrafter:
         return ModelDraftState(cache=self.model.new_cache(min(ctx.max_len + extra, self.model.info.max_position)))
 
     def propose(self, state: ModelDraftState, ctx: DraftContext, k: int) -> Draft:
+        if self.config.tree is None:
+            return self._chains([DraftRequest(state, ctx, k)])[0]
         pending = self._pending(state, ctx)
         logits = self.model.forward(pending, state.cache, last_only=True).logits  # [1, vocab]
-        if self.config.tree is not None:
-            return self._propose_tree(state, ctx, logits[-1], k)
-        token_ids: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        for i in range(k):
-            token, p = self._sample(logits[-1:], ctx)
-            token_ids.append(token)
-            if p is not None:
-                probs.append(p)
-            if i < k - 1:  # the last draft token is never fed: nothing would read its logits
-                logits = self.model.forward(token, state.cache).logits
-        state.num_draft_cached = max(k - 1, 0)
-        return self._draft(token_ids, probs)
+        return self._propose_tree(state, ctx, logits[-1], k)
 
     def propose_batch(self, requests: Sequence[DraftRequest]) -> list[Draft]:
-        """The requests drafting in slots of the pool run each draft position in one forward:
-        first every request's pending tokens (those emitted since its last proposal), then one
-        row per request still drafting. The others propose alone."""
+        """The requests drafting in slots of the pool run each draft position in one forward;
+        the others (a cache of their own, or a tree) propose alone."""
         pool = self._pool
         pooled = [b for b, r in enumerate(requests)
                   if pool is not None and getattr(r.state.cache, "pool", None) is pool]
-        drafts: dict[int, Draft] = {b: self.propose(r.state, r.ctx, r.k)
-                                    for b, r in enumerate(requests) if b not in pooled}
+        drafts = dict(zip(pooled, self._chains([requests[b] for b in pooled])))
+        return [drafts[b] if b in drafts else self.propose(r.state, r.ctx, r.k) for b, r in enumerate(requests)]
+
+    def _chains(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        """Each request's chain of k draft tokens: first every request's pending tokens (those
+        emitted since its last proposal), then one row per request still drafting, each position
+        in one forward (batched over the pool's slots when there are several requests)."""
         model = self.model
-        assert isinstance(model, BatchedLM) or not pooled
-        tokens: dict[int, list[torch.Tensor]] = {b: [] for b in pooled}
-        probs: dict[int, list[torch.Tensor]] = {b: [] for b in pooled}
-        rows = pooled  # the requests whose rows the next forward runs, in order
-        inputs = [SeqInput(self._pending(requests[b].state, requests[b].ctx), requests[b].state.cache, "last")
-                  for b in rows]
+        if len(requests) > 1:
+            assert isinstance(model, BatchedLM)
+            forward: Callable[[list[SeqInput]], list[ForwardOutput]] = model.forward_batch
+        else:
+            forward = functools.partial(forward_each, model)
+        tokens: list[list[torch.Tensor]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        rows = list(range(len(requests)))  # the requests whose rows the next forward runs, in order
+        inputs = [SeqInput(self._pending(r.state, r.ctx), r.state.cache, "last") for r in requests]
         i = 0
         while inputs:
-            outs = model.forward_batch(inputs)
+            outs = forward(inputs)
             next_rows, inputs = [], []
             for b, out in zip(rows, outs):
                 r = requests[b]
@@ -106,14 +104,13 @@ class ModelDrafter:
                 tokens[b].append(token)
                 if p is not None:
                     probs[b].append(p)
-                if i < r.k - 1:  # the last draft token is never fed
+                if i < r.k - 1:  # the last draft token is never fed: nothing would read its logits
                     inputs.append(SeqInput(token, r.state.cache, "last"))
                     next_rows.append(b)
             rows, i = next_rows, i + 1
-        for b in pooled:
-            requests[b].state.num_draft_cached = max(requests[b].k - 1, 0)
-            drafts[b] = self._draft(tokens[b], probs[b])
-        return [drafts[b] for b in range(len(requests))]
+        for r in requests:
+            r.state.num_draft_cached = max(r.k - 1, 0)
+        return [self._draft(t, p) for t, p in zip(tokens, probs)]
 
     def _pending(self, state: ModelDraftState, ctx: DraftContext) -> torch.Tensor:
         """The tokens emitted since the cache was last fed; the cache will hold all of ctx."""
