@@ -124,3 +124,20 @@ def test_int4_target_speculative_and_batched_output_equals_its_plain_output(
         assert not step.failed
     for prompt, gen, expected in zip(int4_prompts, gens, plain):
         assert_same_or_tie(int4_engine, prompt, gen.output_ids, expected)
+
+
+def test_a_pool_slot_reads_only_finite_keys_when_its_sequence_runs_alone(
+    int4_engine: SpecEngine, int4_prompts: list[list[int]],
+) -> None:
+    """A batch of one runs `forward` on its pool slot, which reads keys in whole blocks past
+    what the slot has written: memory a slot never wrote (NaN here) must not reach a logit."""
+    model = int4_engine.target.model
+    pool = model.new_pool(1, 1024)
+    pool.k.fill_(float("nan"))
+    pool.v.fill_(float("nan"))
+    prompt = torch.tensor(int4_prompts[0])
+    slot, alone = pool.allocate(), model.new_cache(1024)
+    for cache in (slot, alone):
+        model.forward(prompt[:-1], cache, last_only=True)
+    torch.testing.assert_close(model.forward(prompt[-1:], slot).logits, model.forward(prompt[-1:], alone).logits,
+                               atol=0, rtol=0)

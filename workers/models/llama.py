@@ -301,7 +301,9 @@ class FastLlama:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.min_queries = (invariant_min_queries(self.num_heads, self.head_dim, self.dtype, self.device)
+        self.group = self.num_heads // self.num_kv_heads  # query heads per key/value head
+        # attention calls of the grouped layout (_grouped) have num_kv_heads heads
+        self.min_queries = (invariant_min_queries(self.num_kv_heads, self.head_dim, self.dtype, self.device)
                             if self.batch_invariant else 1)
         self.eps = cfg.rms_norm_eps
 
@@ -399,25 +401,56 @@ class FastLlama:
         # a row-invariant model always masks explicitly (see invariant_min_queries)
         if mask is None and (self.batch_invariant or (n > 1 and start > 0)):
             mask = torch.arange(end, device=self.device) <= torch.arange(start, end, device=self.device)[:, None]
-        keys, pad = end, 0
-        if self.batch_invariant:  # whole key blocks (zeros past `end`, masked), >= min_queries queries
-            keys, pad = min(_key_span(end), cache.capacity), max(0, self.min_queries - n)
-            mask = F.pad(mask, (0, keys - end))
-            mask = torch.cat([mask, mask[-1:].expand(pad, -1)])
+        if self.batch_invariant:
+            return self._forward_invariant(input_ids, cache, cos, sin, mask, last_only, return_hidden)
         causal = n > 1 and mask is None
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.k[i, :, start:end] = k.transpose(0, 1)
             cache.v[i, :, start:end] = v.transpose(0, 1)
-            q = q[None].transpose(1, 2)  # [1, nh, n, d]
+            attn = F.scaled_dot_product_attention(
+                q[None].transpose(1, 2), cache.k[i, None, :, :end], cache.v[i, None, :, :end],
+                attn_mask=mask, is_causal=causal, enable_gqa=nkv != nh,
+            )  # [1, nh, n, d]
+            return attn[0].transpose(0, 1).reshape(n, nh * d)
+
+        return self._finish(input_ids, cache, cos, sin, attend, last_only, return_hidden)
+
+    def _forward_invariant(
+        self, input_ids: torch.Tensor, cache: StaticKVCache, cos: torch.Tensor, sin: torch.Tensor,
+        mask: torch.Tensor, last_only: bool, return_hidden: bool,
+    ) -> ForwardOutput:
+        """`forward` computing every row as it would be computed alone, in a chain or in a batch:
+        the grouped layout, whole key blocks (zeros past the end, masked) and >= min_queries rows
+        (see invariant_min_queries)."""
+        n, start = input_ids.shape[0], cache.length
+        end = start + n
+        keys = min(_key_span(end), cache.capacity)
+        if cache.pool is not None:  # a pool slot's memory past its writes may hold anything (see KVPool)
+            cache.pool.make_finite(cache, keys)
+        rows = self.group * n
+        pad = max(0, self.min_queries - rows)
+        mask = _additive(F.pad(mask, (0, keys - end))).repeat_interleave(self.group, 0)  # [rows, keys]
+        mask = torch.cat([mask, mask[-1:].expand(pad, -1)])
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.k[i, :, start:end] = k.transpose(0, 1)
+            cache.v[i, :, start:end] = v.transpose(0, 1)
+            q = _grouped(q[None], self.num_kv_heads)  # [1, nkv, rows, d]
             if pad:  # repeat the last query; the extra rows are dropped below
                 q = torch.cat([q, q[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
             attn = F.scaled_dot_product_attention(
-                q, cache.k[i, None, :, :keys], cache.v[i, None, :, :keys],
-                attn_mask=mask, is_causal=causal, enable_gqa=nkv != nh,
-            )  # [1, nh, n + pad, d]
-            return attn[0, :, :n].transpose(0, 1).reshape(n, nh * d)
+                q, cache.k[i, None, :, :keys], cache.v[i, None, :, :keys], attn_mask=mask)
+            return _ungrouped(attn[:, :, :rows], n).reshape(n, -1)
 
+        return self._finish(input_ids, cache, cos, sin, attend, last_only, return_hidden)
+
+    def _finish(
+        self, input_ids: torch.Tensor, cache: StaticKVCache, cos: torch.Tensor, sin: torch.Tensor,
+        attend: _Attend, last_only: bool, return_hidden: bool,
+    ) -> ForwardOutput:
+        """The layers over one sequence's inputs with `attend`, then the logits asked for."""
+        n = input_ids.shape[0]
         # a prompt's prefill (last_only) only fills the cache; every other row is scored
         x = self._layers(self.embed[input_ids], cos, sin, attend, 0 if last_only else n)
         cache.extend(n)
@@ -437,16 +470,18 @@ class FastLlama:
         quantized products compute the two kinds differently (workers/models/quant.py)."""
         n, a = x.shape[0], num_scored
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        # a quantized product returns its compute dtype: the float32 ops after it (rotary,
+        # residual, the cache's copy) take it as it is, one conversion fewer each
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, x.shape[-1:], layer.input_norm, self.eps)
             qkv = layer.qkv(h, a).view(n, nh + 2 * nkv, d)
             # rotate q and k heads in one go: x * cos + rotate_half(x) * sin
             qk = qkv[:, : nh + nkv]
             qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
-            x = x + layer.o(attend(i, qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]), a)
+            x = x + layer.o(attend(i, qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :].to(x.dtype)), a)
             h = F.rms_norm(x, x.shape[-1:], layer.post_norm, self.eps)
             gate, up = layer.gate_up(h, a).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up, a)
+            x = x + layer.down(F.silu(gate.to(x.dtype)) * up, a)
         return x
 
     @torch.inference_mode()
@@ -482,7 +517,7 @@ class FastLlama:
                           for s, n in zip(batch, lens)]).to(dev)
         cos, sin = self.cos[rope, None], self.sin_signed[rope, None]  # [N, 1, d]
         pad = {"min_queries": self.min_queries, "max_keys": pool.capacity} if self.batch_invariant else {}
-        groups = [_AttnGroup.of([(batch[b], bounds[b]) for b in members], dev, **pad)
+        groups = [_AttnGroup.of([(batch[b], bounds[b]) for b in members], dev, self.group, **pad)
                   for members in _attention_groups(batch)]
         for g in groups:
             for s in g.members:
@@ -496,11 +531,11 @@ class FastLlama:
                 q_pad = q.new_zeros(g.num_slots * g.n_max, nh, d)
                 q_pad[g.padded] = q[g.rows]
                 attn = F.scaled_dot_product_attention(
-                    q_pad.view(g.num_slots, g.n_max, nh, d).transpose(1, 2),
+                    _grouped(q_pad.view(g.num_slots, g.n_max, nh, d), nkv),
                     pool.k[i, g.lo : g.hi, :, : g.l_max], pool.v[i, g.lo : g.hi, :, : g.l_max],
-                    attn_mask=g.mask, enable_gqa=nkv != nh,
-                )  # [slots, nh, n_max, d]
-                out[g.rows] = attn.transpose(1, 2).reshape(-1, nh * d)[g.padded]
+                    attn_mask=g.mask,
+                )  # [slots, nkv, n_max * group, d]
+                out[g.rows] = _ungrouped(attn, g.n_max).reshape(-1, nh * d)[g.padded]
             return out
 
         ids = torch.cat([s.input_ids for s in batch]).to(dev)
@@ -519,6 +554,31 @@ class FastLlama:
 
 
 _Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# Grouped-query attention as attention over the key/value heads: the queries of the `group` heads
+# that share a key/value head become rows of one head's call, query by query (row j * group + g:
+# query j of that head's g-th query head). SDPA then reads each key once per key/value head
+# instead of once per query head, and a one-token step already has `group` query rows
+# (invariant_min_queries): 55 us a layer against 130 for a decode step over 512 keys (SmolLM2:
+# 9 heads over 3). A query's rows sit at the same places whatever follows them, as the row
+# invariance needs.
+def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[b, n, heads, d] -> [b, num_kv_heads, n * group, d]."""
+    b, n, nh, d = q.shape
+    return q.view(b, n, num_kv_heads, nh // num_kv_heads, d).transpose(1, 2).reshape(b, num_kv_heads, -1, d)
+
+
+def _ungrouped(attn: torch.Tensor, n: int) -> torch.Tensor:
+    """[b, num_kv_heads, n * group, d] -> [b, n, heads, d]."""
+    b, nkv, rows, d = attn.shape
+    return attn.view(b, nkv, n, rows // n, d).transpose(1, 2).reshape(b, n, -1, d)
+
+
+def _additive(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean attention mask as the float one SDPA would make of it (0 or -inf), made once per
+    forward rather than in every layer's call."""
+    return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 # CPU SDPA computes a query row bit for bit the same whatever the call's other rows, batch and
 # masked key padding, when the mask is explicit, the call has enough query rows (its products take
@@ -600,7 +660,7 @@ class _AttnGroup:
     l_max: int  # keys per slot, padded
     rows: torch.Tensor  # [m] the group's rows in the packed batch
     padded: torch.Tensor  # [m] where each sits in the [slots * n_max] padded query block
-    mask: torch.Tensor  # [slots, 1, n_max, l_max] bool: the keys each padded query sees
+    mask: torch.Tensor  # [slots, 1, n_max * group, l_max] additive: the keys each grouped query row sees
     members: list[SeqInput]
 
     @property
@@ -609,17 +669,18 @@ class _AttnGroup:
 
     @classmethod
     def of(
-        cls, members: list[tuple[SeqInput, int]], device: torch.device, min_queries: int = 1,
+        cls, members: list[tuple[SeqInput, int]], device: torch.device, group: int, min_queries: int = 1,
         max_keys: int | None = None,
     ) -> _AttnGroup:
-        """`members`: (sequence, its first row in the packed batch). `min_queries`: query rows per
-        slot at least; `max_keys` (the pool's capacity) given: keys padded to whole blocks, so that
-        every row is computed as it would be alone (see _INVARIANT_KEY_BLOCK)."""
+        """`members`: (sequence, its first row in the packed batch). `group`: query heads per
+        key/value head (the grouped layout, _grouped). `min_queries`: query rows per slot and head
+        of the grouped layout at least; `max_keys` (the pool's capacity) given: keys padded to
+        whole blocks, so that every row is computed as it would be alone (see _INVARIANT_KEY_BLOCK)."""
         lo = min(s.cache.slot for s, _ in members)
         hi = max(s.cache.slot for s, _ in members) + 1
         n_max = max(s.input_ids.shape[0] for s, _ in members)
         l_max = max(s.cache.length + s.input_ids.shape[0] for s, _ in members)
-        n_max = max(n_max, min_queries)
+        n_max = max(n_max, -(-min_queries // group))
         if max_keys is not None:
             l_max = min(_key_span(l_max), max_keys)
         # key p is visible to query j of a sequence starting at `start`: p < start, or within its
@@ -639,4 +700,4 @@ class _AttnGroup:
             rows.append(torch.arange(first, first + n))
             padded.append(row * n_max + torch.arange(n))
         return cls(lo, hi, n_max, l_max, torch.cat(rows).to(device), torch.cat(padded).to(device),
-                   mask[:, None].to(device), [s for s, _ in members])
+                   _additive(mask[:, None].repeat_interleave(group, 2).to(device)), [s for s, _ in members])

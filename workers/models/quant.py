@@ -5,8 +5,8 @@ d (and, for Q4_1, a minimum m): w = d * q + m. torch's weight-only int4 kernel c
 x @ W.T from exactly that shape of data (w = (q - 8) * scale + zero per group), reading a
 quarter of float32's bytes, so a decode step streams ~70 MB of layer weights instead of ~440.
 The kernel takes bfloat16 activations: the scales and zeros are rounded to bfloat16 once, and a
-product's input is rounded to bfloat16 (its output is returned as float32; norms, attention and
-the residual stream stay float32).
+product's input is rounded to bfloat16 (its bfloat16 output is read exactly by the float32 ops
+after it; norms, attention and the residual stream stay float32).
 
 Speculative decoding and batching need a row scored exactly as plain decoding alone scores it,
 whatever else shares its forward. Rounding to bfloat16 would magnify any float32 difference into
@@ -134,7 +134,8 @@ def read_gguf_int4(path: Path, num_layers: int, num_heads: int, num_kv_heads: in
 class Int4Linear:
     """y = x @ W.T for an Int4Weight: the first `num_scored` rows through the int4 kernel, the
     rest (prefill rows) through the dense bfloat16 copy when `dense` (default: where it pays, see
-    the module docstring), else the int4 kernel too. y has x's dtype."""
+    the module docstring), else the int4 kernel too. y is bfloat16, as the kernel returns it: a
+    float32 op taking it converts it exactly, so the model converts nothing back."""
 
     def __init__(self, weight: Int4Weight, dense: bool | None = None) -> None:
         scales, zeros = weight.scales.to(_COMPUTE_DTYPE), weight.zeros.to(_COMPUTE_DTYPE)
@@ -156,7 +157,7 @@ class Int4Linear:
             y = self._dense(xb)
         else:
             y = torch.cat([self._int4(xb[:a]), self._dense(xb[a:])])
-        return y.to(x.dtype)
+        return y
 
     def _int4(self, xb: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE, self.scales_zeros)
