@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from bench.records import Mismatch, RunRecord
-from bench.summary import PLAIN_METHOD
+from bench.summary import PLAIN_METHOD, reference_method
 
 NEAR_TIE = 1e-3
 
@@ -41,25 +41,28 @@ def find_mismatches(
     records: Sequence[RunRecord], prompt_ids: dict[int | str, list[int]],
     load_target: Callable[[], PreTrainedModel],
 ) -> list[Mismatch]:
-    """One Mismatch per (prompt, method) whose tokens differ from plain's. load_target is called
-    only when there is a mismatch to explain."""
-    plain = {r.question_id: r for r in records if r.method == PLAIN_METHOD}
+    """One Mismatch per (prompt, method) whose tokens differ from its reference's (plain's; for
+    llama.cpp's modes llama.cpp's plain output, where no top-2 gap of ours explains anything).
+    load_target is called only when there is a mismatch to explain."""
+    refs = {(r.method, r.question_id): r for r in records if reference_method(r.method) == r.method}
     gaps: dict[int | str, list[float]] = {}  # one forward per prompt, however many methods differ
     mismatches: list[Mismatch] = []
     for r in records:
-        ref = plain.get(r.question_id)
-        if ref is None or r.method == PLAIN_METHOD:
+        ref = refs.get((reference_method(r.method), r.question_id))
+        if ref is None or ref is r:
             continue
         pos = first_difference(ref.token_ids, r.token_ids)
         if pos is None:
             continue
-        if r.question_id not in gaps:
-            gaps[r.question_id] = top2_gaps(load_target(), prompt_ids[r.question_id], ref.token_ids)
-        gap = gaps[r.question_id][pos]
+        gap = None
+        if ref.method == PLAIN_METHOD:
+            if r.question_id not in gaps:
+                gaps[r.question_id] = top2_gaps(load_target(), prompt_ids[r.question_id], ref.token_ids)
+            gap = gaps[r.question_id][pos]
         mismatches.append(Mismatch(
             question_id=r.question_id, category=r.category, method=r.method, position=pos,
             plain_token=ref.token_ids[pos] if pos < len(ref.token_ids) else None,
             method_token=r.token_ids[pos] if pos < len(r.token_ids) else None,
-            top2_gap=gap, near_tie=gap < NEAR_TIE,
+            top2_gap=gap, near_tie=gap is not None and gap < NEAR_TIE,
         ))
     return mismatches

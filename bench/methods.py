@@ -6,7 +6,9 @@
   hf-pld       transformers prompt lookup (`prompt_lookup_num_tokens=10`)
   hf-assisted  transformers assisted generation; the assistant is the first `model` drafter's model
   router       SpecRoute's adaptive routing: classifier, policy, live statistics of this run
-All are greedy with the same token budget and the same EOS set, so outputs must be identical.
+  llama-cpp*   llama.cpp on the target's GGUF file, plain and its speculation (bench/llama_cpp.py)
+All are greedy with the same token budget and the same EOS set, so outputs must be identical
+(llama.cpp's to its own plain output).
 Drafters that learn from traffic (suffix) keep one memory per method (`TrafficMemories`); a
 fixed-drafter method's domain is the prompt's category, the router's its classifier's.
 """
@@ -17,20 +19,24 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from bench.llama_cpp import MODES as LLAMA_CPP_MODES
+from bench.llama_cpp import LlamaCppMethod, check_llama_cpp
 from bench.prompts import BenchPrompt
 from bench.records import RunRecord
-from bench.summary import PLAIN_METHOD
+from bench.summary import LLAMA_CPP_PLAIN, PLAIN_METHOD
 from workers.config import EngineConfig, ModelDrafterConfig
 from workers.drafters.suffix import SuffixCaches, SuffixDrafter
 from workers.engine import PLAIN, GenerationResult, SpecEngine
 from workers.routing import Router
 from workers.routing import generate as route
 from workers.sampling import SamplingParams
+from workers.target import gguf_file
 
 HF_METHODS = ("hf", "hf-pld", "hf-assisted")
 ROUTER_METHOD = "router"
@@ -43,17 +49,20 @@ class Method(Protocol):
     def run(self, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int) -> RunRecord: ...
 
 
-def check_methods(methods: list[str], config: EngineConfig) -> list[str]:
-    """The methods to run, plain first (it is every other method's baseline), duplicates dropped.
-    Raises ValueError naming the first method that cannot run."""
-    valid = [PLAIN_METHOD, *(d.name for d in config.drafters), ROUTER_METHOD, *HF_METHODS]
+def check_methods(methods: list[str], config: EngineConfig, llama_cpp: Path | None = None) -> list[str]:
+    """The methods to run, plain first (it is every other method's baseline), then llama.cpp's
+    plain where any of its modes runs (their reference), duplicates dropped. `llama_cpp`: the
+    directory of llama.cpp's binaries. Raises ValueError naming the first method that cannot run."""
+    valid = [PLAIN_METHOD, *(d.name for d in config.drafters), ROUTER_METHOD, *HF_METHODS, *LLAMA_CPP_MODES]
     for name in methods:
         if name not in valid:
             raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(valid)}")
     if "hf-assisted" in methods and assistant_config(config) is None:
         raise ValueError("method 'hf-assisted' needs a drafter of kind 'model' in the engine config "
                          "(its model is the assistant); none is configured")
-    return list(dict.fromkeys([PLAIN_METHOD, *methods]))
+    check_llama_cpp(methods, llama_cpp, gguf_file(config.target))
+    first = [PLAIN_METHOD, *([LLAMA_CPP_PLAIN] if set(methods) & set(LLAMA_CPP_MODES) else [])]
+    return list(dict.fromkeys([*first, *methods]))
 
 
 def assistant_config(config: EngineConfig) -> ModelDrafterConfig | None:
@@ -200,10 +209,11 @@ def _until_eos(token_ids: list[int], eos_token_ids: frozenset[int]) -> list[int]
 
 def build_methods(
     names: list[str], engine: SpecEngine, hf_model: PreTrainedModel | None,
-    assistant: PreTrainedModel | None = None, router: Router | None = None,
+    assistant: PreTrainedModel | None = None, router: Router | None = None, llama_cpp: Path | None = None,
 ) -> list[Method]:
     """Method objects for names already checked by `check_methods`. hf_model is the target as a
-    transformers model (needed by every hf method); assistant by hf-assisted; router by router."""
+    transformers model (needed by every hf method); assistant by hf-assisted; router by router;
+    llama_cpp (the binaries' directory) by llama.cpp's modes."""
     eos = engine.target.model.info.eos_token_ids
     pad = engine.tokenizer.pad_token_id
     pad = pad if pad is not None else min(eos, default=None)
@@ -225,6 +235,11 @@ def build_methods(
                 assistant=assistant if name == "hf-assisted" else None,
                 prompt_lookup_num_tokens=PROMPT_LOOKUP_NUM_TOKENS if name == "hf-pld" else None,
             ))
+        elif name in LLAMA_CPP_MODES:
+            gguf = gguf_file(engine.config.target)
+            if llama_cpp is None or gguf is None:
+                raise ValueError(f"method {name!r} needs a llama.cpp build and a GGUF target")
+            methods.append(LlamaCppMethod(name, llama_cpp, gguf, engine.tokenizer, torch.get_num_threads()))
         else:
             raise ValueError(f"unknown method {name!r}")
     return methods

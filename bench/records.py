@@ -53,8 +53,8 @@ class Mismatch:
     question_id: int | str
     category: str
     method: str
-    position: int  # first generated position where the method differs from plain
-    plain_token: int | None  # None: plain had stopped there
+    position: int  # first generated position where the method differs from its reference (plain)
+    plain_token: int | None  # the reference's token; None: it had stopped there
     method_token: int | None  # None: the method had stopped there
-    top2_gap: float | None  # target's top-1 minus top-2 logit at that position (transformers)
+    top2_gap: float | None  # target's top-1 minus top-2 logit there (transformers); None for llama.cpp's modes
     near_tie: bool  # top2_gap < NEAR_TIE: a rounding difference can flip the argmax there

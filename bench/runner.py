@@ -31,7 +31,7 @@ from bench.methods import HF_METHODS, ROUTER_METHOD, TrafficMemories, assistant_
 from bench.prompts import BenchPrompt, load_prompts
 from bench.records import RunRecord
 from bench.report import machine_section, write_report
-from bench.summary import summarize
+from bench.summary import reference_method, summarize
 from bench.verify_cost import DEFAULT_KS, DEFAULT_REPS, measure_verify_curve
 from policies.schema import Policy, load_policy
 from policies.stats import MemoryStats
@@ -63,6 +63,7 @@ class BenchArgs:
     concurrency: list[int] | None = None  # closed-loop client counts: the concurrency run instead
     file_order: bool = False  # the selected prompts in file order (a workload), not by category
     prime: int = 0  # the first N prompts run through every method untimed, feeding what learns from traffic
+    llama_cpp: Path | None = None  # the directory of llama.cpp's binaries (its methods)
 
 
 def encode_checked(engine: SpecEngine, prompts: Sequence[BenchPrompt], params: SamplingParams) -> dict:
@@ -133,7 +134,7 @@ def run_bench(args: BenchArgs) -> dict:
     if args.concurrency:
         return run_concurrency_bench(args)
     # cheap checks first: a typo must not cost a model load
-    methods = check_methods(args.methods, args.config)
+    methods = check_methods(args.methods, args.config, args.llama_cpp)
     prompts = load_prompts(args.prompts, args.per_category, args.categories, args.heldout_mod,
                            file_order=args.file_order)
     if args.prime >= len(prompts):
@@ -151,7 +152,7 @@ def run_bench(args: BenchArgs) -> dict:
         # a drafter distilled for the target shares its embeddings (workers/target.py)
         assistant = load_hf(drafter.model, hf_model.get_input_embeddings().weight.detach())[0]
     router = bench_router(engine, policy, args.routing, batched=False) if policy is not None else None
-    runners = build_methods(methods, engine, hf_model, assistant, router)
+    runners = build_methods(methods, engine, hf_model, assistant, router, args.llama_cpp)
 
     memories = TrafficMemories(engine)
     for p in prompts[: max(0, args.warmup)]:
@@ -173,8 +174,9 @@ def run_bench(args: BenchArgs) -> dict:
 
     mismatches = find_mismatches(records, prompt_ids, load_target)
     for m in mismatches:
-        log.warning("method %s differs from plain on question %s at position %d (top-2 gap %.2e)",
-                    m.method, m.question_id, m.position, m.top2_gap)
+        log.warning("method %s differs from %s on question %s at position %d (top-2 gap %s)", m.method,
+                    reference_method(m.method), m.question_id, m.position,
+                    "n/a" if m.top2_gap is None else f"{m.top2_gap:.2e}")
     curve = None
     if args.verify_curve:
         curve = measure_verify_curve(engine.target.model, ks=args.verify_ks, reps=args.verify_reps)

@@ -117,6 +117,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from bench.llama_cpp import llama_cpp_dir
     from bench.runner import BenchArgs, run_bench
     from policies.schema import PolicyError
     from workers.target import ModelLoadError
@@ -130,7 +131,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup, verify_curve=not args.no_verify_curve, command=" ".join(sys.argv),
         routing=routing_config(args.policy), heldout_mod=args.heldout_mod,
         concurrency=_levels(args.concurrency) if args.concurrency is not None else None,
-        file_order=args.order == "file", prime=args.prime,
+        file_order=args.order == "file", prime=args.prime, llama_cpp=llama_cpp_dir(args.llama_cpp),
     )
     try:
         run_bench(bench_args)
@@ -337,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", default=None, metavar="C1,C2,...",
                        help="closed-loop client counts: run the methods (plain, drafters, router, plain-serial) "
                             "under concurrent load instead, and report throughput and latency per level")
+    bench.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR",
+                       help="llama.cpp's binaries, for methods llama-cpp, llama-cpp-ngram, llama-cpp-lookup "
+                            "(default: $LLAMA_CPP_BIN)")
     bench.set_defaults(func=cmd_bench)
 
     load = sub.add_parser("load", help="concurrent streaming clients against a running server")

@@ -107,6 +107,12 @@ def _model_path(cfg: ModelConfig) -> Path:
     return _resolve_pkg(spec) if spec.startswith("pkg:") else (cfg.local_path() or Path(spec).expanduser())
 
 
+def gguf_file(cfg: ModelConfig) -> Path | None:
+    """The GGUF file a model is loaded from; None when it is not one."""
+    path = _model_path(cfg)
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
 def resolve_source(cfg: ModelConfig) -> Path | str:
     """A local model directory, or a hub id for transformers to find in its own cache."""
     spec = cfg.model
