@@ -15,6 +15,7 @@ import torch
 
 from workers.models.base import CausalLM
 from workers.models.llama import FastLlama, Linear
+from workers.models.quant import Int4Linear
 
 DEFAULT_KS = range(0, 17)
 DEFAULT_REPS = 5
@@ -32,8 +33,10 @@ def weight_bytes(model: CausalLM) -> int:
     if isinstance(model, FastLlama):
         # every field of every layer (whatever the fields are called), then the head. Of a Linear
         # only w_t: its MKL-packed copy holds the same weights, read instead of w_t, not besides
+        # of an Int4Linear its packed 4-bit values and group scales (a dense copy serves prompt rows only)
         parts = [v for layer in model.layers for v in vars(layer).values()] + [model.final_norm, model.lm_head]
-        tensors = [p.w_t if isinstance(p, Linear) else p for p in parts]
+        tensors = [t for p in parts for t in ([p.w_t] if isinstance(p, Linear) else
+                                               [p.packed, p.scales_zeros] if isinstance(p, Int4Linear) else [p])]
         return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     hf = getattr(model, "model", None)
     if isinstance(hf, torch.nn.Module):

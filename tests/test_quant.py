@@ -11,6 +11,7 @@ import torch
 from helpers import assert_same_or_tie
 from safetensors.torch import load_file
 
+from bench.verify_cost import weight_bytes
 from workers.batch import BatchEngine
 from workers.config import PLAIN, EngineConfig, ModelConfig, NgramDrafterConfig, TargetConfig
 from workers.engine import SpecEngine, StepOrder
@@ -141,3 +142,14 @@ def test_a_pool_slot_reads_only_finite_keys_when_its_sequence_runs_alone(
         model.forward(prompt[:-1], cache, last_only=True)
     torch.testing.assert_close(model.forward(prompt[-1:], slot).logits, model.forward(prompt[-1:], alone).logits,
                                atol=0, rtol=0)
+
+
+def test_the_bandwidth_floor_counts_the_int4_bytes_a_step_reads(int4_engine: SpecEngine) -> None:
+    """Layer products as packed 4-bit values with bfloat16 group scales (~0.63 bytes a weight),
+    the float32 lm_head as it is."""
+    model = int4_engine.target.model
+    head = model.lm_head.w_t.numel() * 4
+    layers = sum(lin.packed.numel() * lin.packed.element_size() + lin.scales_zeros.numel() * 2
+                 for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert 60e6 < layers < 75e6
+    assert weight_bytes(model) == pytest.approx(head + layers, rel=0.01)  # norms are the rest
