@@ -157,9 +157,11 @@ def write_report(results: dict, out: Path) -> list[Path]:
         f"Target `{results['target']}` on {results['device']}; {num_prompts} prompts; greedy, at most "
         f"{results['max_tokens']} new tokens; methods interleaved prompt by prompt after a warm-up.", "",
         "## Speedup by category", "",
-        "Speedup = plain decoding's total wall time / the method's, over the same prompts (Spec-Bench's "
-        "definition). MAT = new tokens / target forwards, bonus token included (hardware independent). "
-        "Lossless = token-identical to plain decoding on every prompt.", "",
+        "Speedup = the method's tokens per second / plain decoding's, over the same prompts: plain's total "
+        "wall time / the method's wherever the method emits plain's tokens (Spec-Bench's definition). "
+        "MAT = new tokens / target forwards, bonus token included (hardware independent). "
+        "Lossless = token-identical to plain decoding on every prompt (llama.cpp's modes: to llama.cpp's "
+        "plain).", "",
         *summary_table(results), "", "![speedup](speedup.png)", "",
     ]
     if acceptance:

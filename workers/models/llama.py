@@ -5,7 +5,9 @@ Why not transformers' own forward: a verify step must cost little more than a pl
     and rollback is moving an integer;
   * q/k/v and gate/up are fused into one product each;
   * the kernel is chosen by row count (`Linear`): a 1-2 row step streams a transposed,
-    contiguous weight (`x @ W_t`), a verify step of 3+ rows uses MKL's packed GEMM.
+    contiguous weight (`x @ W_t`), a verify step of 3+ rows uses MKL's packed GEMM;
+  * batched and row-invariant attention runs over the key/value heads, the query heads sharing
+    one as rows of its call (`_grouped`).
 Weights come from a loaded transformers model, so every checkpoint format it reads works here;
 with `quantized` weights the layer products run on a GGUF file's 4-bit blocks instead
 (workers/models/quant.py).
