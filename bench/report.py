@@ -199,7 +199,7 @@ def plot_speedup(results: dict, path: Path) -> Path:
         ax.bar(xs, ys, width, label=method, hatch=(None, "//", "..")[j // 10 % 3])  # 10 colours, then hatched
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")  # plain decoding
     ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
-    ax.set_ylabel("speedup over plain (wall time)")
+    ax.set_ylabel("speedup over plain (tokens/s)")
     ax.set_title(f"{results['target']}: speedup by category")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: never over a bar
     fig.savefig(path, dpi=120)
