@@ -432,7 +432,7 @@ class FastLlama:
             cache.pool.make_finite(cache, keys)
         rows = self.group * n
         pad = max(0, self.min_queries - rows)
-        mask = _additive(F.pad(mask, (0, keys - end))).repeat_interleave(self.group, 0)  # [rows, keys]
+        mask = _additive(F.pad(mask, (0, keys - end)), self.dtype).repeat_interleave(self.group, 0)  # [rows, keys]
         mask = torch.cat([mask, mask[-1:].expand(pad, -1)])
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -519,7 +519,7 @@ class FastLlama:
                           for s, n in zip(batch, lens)]).to(dev)
         cos, sin = self.cos[rope, None], self.sin_signed[rope, None]  # [N, 1, d]
         pad = {"min_queries": self.min_queries, "max_keys": pool.capacity} if self.batch_invariant else {}
-        groups = [_AttnGroup.of([(batch[b], bounds[b]) for b in members], dev, self.group, **pad)
+        groups = [_AttnGroup.of([(batch[b], bounds[b]) for b in members], dev, self.dtype, self.group, **pad)
                   for members in _attention_groups(batch)]
         for g in groups:
             for s in g.members:
@@ -577,10 +577,10 @@ def _ungrouped(attn: torch.Tensor, n: int) -> torch.Tensor:
     return attn.view(b, nkv, n, rows // n, d).transpose(1, 2).reshape(b, n, -1, d)
 
 
-def _additive(mask: torch.Tensor) -> torch.Tensor:
-    """A boolean attention mask as the float one SDPA would make of it (0 or -inf), made once per
-    forward rather than in every layer's call."""
-    return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as the one SDPA would make of it (0 or -inf in the queries' dtype,
+    which GPU kernels require), made once per forward rather than in every layer's call."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 # CPU SDPA computes a query row bit for bit the same whatever the call's other rows, batch and
 # masked key padding, when the mask is explicit, the call has enough query rows (its products take
@@ -671,11 +671,12 @@ class _AttnGroup:
 
     @classmethod
     def of(
-        cls, members: list[tuple[SeqInput, int]], device: torch.device, group: int, min_queries: int = 1,
+        cls, members: list[tuple[SeqInput, int]], device: torch.device, dtype: torch.dtype, group: int,
+        min_queries: int = 1,
         max_keys: int | None = None,
     ) -> _AttnGroup:
-        """`members`: (sequence, its first row in the packed batch). `group`: query heads per
-        key/value head (the grouped layout, _grouped). `min_queries`: query rows per slot and head
+        """`members`: (sequence, its first row in the packed batch); `dtype`: the queries'. `group`:
+        query heads per key/value head (the grouped layout, _grouped). `min_queries`: query rows per slot and head
         of the grouped layout at least; `max_keys` (the pool's capacity) given: keys padded to
         whole blocks, so that every row is computed as it would be alone (see _INVARIANT_KEY_BLOCK)."""
         lo = min(s.cache.slot for s, _ in members)
@@ -702,4 +703,4 @@ class _AttnGroup:
             rows.append(torch.arange(first, first + n))
             padded.append(row * n_max + torch.arange(n))
         return cls(lo, hi, n_max, l_max, torch.cat(rows).to(device), torch.cat(padded).to(device),
-                   _additive(mask[:, None].repeat_interleave(group, 2).to(device)), [s for s, _ in members])
+                   _additive(mask[:, None].repeat_interleave(group, 2).to(device), dtype), [s for s, _ in members])
