@@ -14,8 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from workers.models.base import CausalLM
-from workers.models.llama import FastLlama, Linear
-from workers.models.quant import Int4Linear
+from workers.models.llama import FastLlama, Product
 
 DEFAULT_KS = range(0, 17)
 DEFAULT_REPS = 5
@@ -31,13 +30,11 @@ def weight_bytes(model: CausalLM) -> int:
     """Bytes a plain step streams: every weight matrix and norm vector once. The input
     embedding is not streamed (a step reads one row of it) unless it doubles as the lm_head."""
     if isinstance(model, FastLlama):
-        # every field of every layer (whatever the fields are called), then the head. Of a Linear
-        # only w_t: its MKL-packed copy holds the same weights, read instead of w_t, not besides
-        # of an Int4Linear its packed 4-bit values and group scales (a dense copy serves prompt rows only)
+        # every field of every layer (whatever the fields are called), then the head: a product
+        # counts what it streams in its format (`nbytes`), a norm its vector
         parts = [v for layer in model.layers for v in vars(layer).values()] + [model.final_norm, model.lm_head]
-        tensors = [t for p in parts for t in ([p.w_t] if isinstance(p, Linear) else
-                                               [p.packed, p.scales_zeros] if isinstance(p, Int4Linear) else [p])]
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        return sum(p.nbytes if isinstance(p, Product) else p.numel() * p.element_size() for p in parts
+                   if isinstance(p, Product | torch.Tensor))
     hf = getattr(model, "model", None)
     if isinstance(hf, torch.nn.Module):
         total = sum(p.numel() * p.element_size() for p in hf.parameters())  # tied weights once

@@ -74,10 +74,13 @@ class TargetConfig(ModelConfig):
     max_model_len: int | None = Field(
         None, gt=0, description="context limit: prompt + generated tokens (default: the model's positions, "
                                 "bounded by scheduler.kv_cache_gib)")
-    weights: Literal["float32", "int4"] = Field(
+    weights: Literal["auto", "float32", "bfloat16", "int4"] = Field(
         "float32",
-        description="the layer products' weights: float32 (dequantised), or int4: a Q4_0 / Q4_1 GGUF file's own "
-                    "4-bit blocks through torch's int4 kernel (CPU, fast backend; workers/models/quant.py)",
+        description="the products' weights: float32 (dequantised); bfloat16: every product on packed bfloat16 "
+                    "weights (CPUs with bfloat16 instructions; workers/models/bf16.py); int4: a Q4_0 / Q4_1 GGUF "
+                    "file's own 4-bit blocks through torch's int4 kernel (workers/models/quant.py); auto: int4 "
+                    "where the file has them, else bfloat16 where the CPU computes it fast, else float32. "
+                    "bfloat16 and int4: CPU, fast backend",
     )
 
 

@@ -27,8 +27,9 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from workers.config import ModelConfig, TargetConfig, default_cache_dir
-from workers.models import hf, llama, quant
+from workers.models import bf16, hf, llama, quant
 from workers.models.base import CausalLM
+from workers.models.cpu import cpu_bfloat16_pays
 
 log = logging.getLogger(__name__)
 
@@ -224,20 +225,48 @@ def load_model(cfg: ModelConfig, embeddings: torch.Tensor | None = None) -> Load
     if vocab is not None and (vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= size):
         raise ModelLoadError(f"{Path(source) / DRAFT_VOCAB_FILE}: token ids must be in 0..{size - 1} "
                              f"(the vocabulary size is {size}), and there must be at least one")
-    quantized = _read_quantized(cfg, hf_model) if isinstance(cfg, TargetConfig) and cfg.weights == "int4" else None
-    if quantized is not None and not use_fast:
-        raise ModelLoadError(f"model {cfg.model!r}: weights 'int4' runs on the fast backend only")
-    model: CausalLM = llama.FastLlama(hf_model, eos, vocab, quantized) if use_fast else hf.HFCausalLM(hf_model, eos)
+    quantized, bfloat16 = _weight_format(cfg, hf_model, use_fast)
+    model: CausalLM = (llama.FastLlama(hf_model, eos, vocab, quantized, bfloat16) if use_fast
+                       else hf.HFCausalLM(hf_model, eos))
     name = Path(cfg.model).stem if cfg.model.startswith("pkg:") else str(cfg.model)
     return LoadedModel(model=model, tokenizer=tokenizer, source_dir=source, name=name, draft_vocab=vocab)
+
+
+def _weight_format(
+    cfg: ModelConfig, hf_model: PreTrainedModel, use_fast: bool,
+) -> tuple[dict[str, quant.Int4Weight] | None, bool]:
+    """The products' weights `target.weights` asks for: the file's int4 blocks, or whether to
+    compute in bfloat16; (None, False) is float32 (or the model's dtype)."""
+    weights = cfg.weights if isinstance(cfg, TargetConfig) else "float32"
+    if weights == "float32":
+        return None, False
+    on_cpu = torch.device(cfg.device).type == "cpu"
+    if weights == "auto":
+        if not (use_fast and on_cpu):
+            return None, False
+        try:  # the most compact: the file's own 4-bit blocks, where it has them
+            return _read_quantized(cfg, hf_model), False
+        except ModelLoadError:
+            return None, bf16.bfloat16_available(torch.device("cpu")) and cpu_bfloat16_pays()
+    if not use_fast:
+        raise ModelLoadError(f"model {cfg.model!r}: weights {weights!r} runs on the fast backend only")
+    if not on_cpu:
+        raise ModelLoadError(f"weights {weights!r} runs on CPU; on {cfg.device} use weights 'float32' "
+                             "with dtype bfloat16")
+    if weights == "int4":
+        return _read_quantized(cfg, hf_model), False
+    if not bf16.bfloat16_available(torch.device("cpu")):
+        raise ModelLoadError("weights 'bfloat16' needs torch's oneDNN (mkldnn) build")
+    if not cpu_bfloat16_pays():
+        log.warning("weights 'bfloat16': this CPU has no bfloat16 instructions, so its products take a slow "
+                    "reference path; weights 'int4' or 'float32' run faster here")
+    return None, True
 
 
 def _read_quantized(cfg: TargetConfig, hf_model: PreTrainedModel) -> dict[str, quant.Int4Weight]:
     path = _model_path(cfg)
     if path.suffix != ".gguf":
         raise ModelLoadError(f"model {cfg.model!r}: weights 'int4' needs a .gguf file with Q4_0 or Q4_1 layers")
-    if torch.device(cfg.device).type != "cpu":
-        raise ModelLoadError(f"weights 'int4' runs on CPU; on {cfg.device} use weights 'float32' with dtype bfloat16")
     c = hf_model.config
     try:
         return quant.read_gguf_int4(path, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads)

@@ -10,7 +10,8 @@ Why not transformers' own forward: a verify step must cost little more than a pl
     one as rows of its call (`_grouped`).
 Weights come from a loaded transformers model, so every checkpoint format it reads works here;
 with `quantized` weights the layer products run on a GGUF file's 4-bit blocks instead
-(workers/models/quant.py).
+(workers/models/quant.py), with `bfloat16` every product on packed bfloat16 weights
+(workers/models/bf16.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from workers.models.base import ForwardOutput, ModelInfo, SeqInput, TargetView, forward_each
+from workers.models.bf16 import Bf16Linear
+from workers.models.cpu import cpu_bfloat16_pays
 from workers.models.quant import Int4Linear, Int4Weight
 from workers.tree import DraftTree
 
@@ -187,11 +190,11 @@ def _drop_pages(t: torch.Tensor) -> None:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # [hidden]
-    qkv: Linear | Int4Linear  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim
-    o: Linear | Int4Linear  # num_heads * head_dim -> hidden
+    qkv: Product  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim
+    o: Product  # num_heads * head_dim -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Linear | Int4Linear  # hidden -> 2 * intermediate
-    down: Linear | Int4Linear  # intermediate -> hidden
+    gate_up: Product  # hidden -> 2 * intermediate
+    down: Product  # intermediate -> hidden
 
 
 # A product's best kernel depends on the machine and on the number of rows (1 for a decode step,
@@ -276,9 +279,17 @@ class Linear:
             return torch.ops.mkl._mkl_linear(x, self.packed, self.w_t.t(), None, x.shape[0])
         return x @ self.w_t
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes a step streams: w_t, or the MKL-packed copy of the same weights read instead."""
+        return self.w_t.numel() * self.w_t.element_size()
+
     def __call__(self, x: torch.Tensor, num_scored: int | None = None) -> torch.Tensor:  # x: [n, in] -> [n, out]
         """`num_scored` matters to Int4Linear only: here every row takes the row count's kernel."""
         return self.run(self.plan[_bucket(x.shape[0])], x)
+
+
+Product = Linear | Int4Linear | Bf16Linear  # a layer product in one of the weight formats
 
 
 class FastLlama:
@@ -286,18 +297,24 @@ class FastLlama:
 
     def __init__(
         self, hf_model: PreTrainedModel, eos_token_ids: frozenset[int], head_rows: torch.Tensor | None = None,
-        quantized: Mapping[str, Int4Weight] | None = None,
+        quantized: Mapping[str, Int4Weight] | None = None, bfloat16: bool = False,
     ) -> None:
         """`head_rows`: token ids the lm_head computes logits for, in that order (a drafter's
         reduced vocabulary: logits column i is token head_rows[i]); None: the whole vocabulary.
         `quantized`: the layer products' 4-bit weights by name (workers/models/quant.py), used
-        instead of the model's float ones (the embeddings and lm_head stay float)."""
+        instead of the model's float ones (the embeddings and lm_head stay float).
+        `bfloat16`: every product, the lm_head included, on packed bfloat16 weights
+        (workers/models/bf16.py); the embeddings stay float. With int4 layers the lm_head is
+        bfloat16 too where the CPU computes it fast: float32 logits at 6 rows cost 3x one row
+        there, bfloat16 ones the same as one (its weights are ~20% of an int4 step's bytes)."""
         cfg = hf_model.config
         if not supports(cfg):
             raise ValueError(f"FastLlama does not support {cfg.model_type} with this config")
+        if quantized is not None and bfloat16:
+            raise ValueError("the layer products are either int4 or bfloat16")
         sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
         # every row computed the same way whatever shares its forward (see invariant_min_queries)
-        self.batch_invariant = quantized is not None
+        self.batch_invariant = quantized is not None or bfloat16
         self.device = next(hf_model.parameters()).device
         self.dtype = next(hf_model.parameters()).dtype
         self.num_heads = cfg.num_attention_heads
@@ -309,10 +326,11 @@ class FastLlama:
                             if self.batch_invariant else 1)
         self.eps = cfg.rms_norm_eps
 
-        def product(*names: str) -> Linear | Int4Linear:  # one product over the weights stacked
+        def product(*names: str) -> Product:  # one product over the weights stacked
             if quantized is not None:
                 return Int4Linear(Int4Weight.cat([quantized[n] for n in names]))
-            return Linear(torch.cat([sd[n] for n in names]))
+            weight = torch.cat([sd[n] for n in names])
+            return Bf16Linear(weight) if bfloat16 else Linear(weight)
 
         attn, mlp = "model.layers.{}.self_attn.{}_proj.weight", "model.layers.{}.mlp.{}_proj.weight"
         self.layers = [
@@ -329,7 +347,13 @@ class FastLlama:
         self.embed = sd["model.embed_tokens.weight"]  # [vocab, hidden]
         self.final_norm = sd["model.norm.weight"]
         head = sd.get("lm_head.weight", self.embed)
-        self.lm_head = Linear(head if head_rows is None else head[head_rows.to(head.device)])
+        if head_rows is not None:
+            head = head[head_rows.to(head.device)]
+        bfloat16_head = bfloat16 or (quantized is not None and self.device.type == "cpu" and cpu_bfloat16_pays())
+        self.lm_head: Linear | Bf16Linear = Bf16Linear(head) if bfloat16_head else Linear(head)
+        # what a feature drafter multiplies by in float32: the head's own transposed copy, or a
+        # view of the float weights (the embeddings themselves where the model ties them)
+        self.head_t = self.lm_head.w_t if isinstance(self.lm_head, Linear) else head.t()
         self.info = ModelInfo(
             vocab_size=self.embed.shape[0],
             hidden_size=cfg.hidden_size,
@@ -349,7 +373,7 @@ class FastLlama:
 
     def view(self) -> TargetView:
         """The tensors a feature drafter computes with (EAGLE, Medusa), shared with this model."""
-        return TargetView(self.info, self.embed, self.cos, self.sin_signed, self.lm_head.w_t)
+        return TargetView(self.info, self.embed, self.cos, self.sin_signed, self.head_t)
 
     def new_cache(self, capacity: int) -> StaticKVCache:
         capacity = self._cache_capacity(capacity)

@@ -147,6 +147,11 @@ class Int4Linear:
             self.w_t = (Int4Weight(weight.q, scales.float(), zeros.float()).dequantize().to(_COMPUTE_DTYPE)
                         .t().contiguous())
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes a step streams: the packed values and group scales (the dense copy serves prompt rows)."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_zeros))
+
     def __call__(self, x: torch.Tensor, num_scored: int | None = None) -> torch.Tensor:
         n = x.shape[0]
         a = n if num_scored is None or self.w_t is None else num_scored
