@@ -4,18 +4,23 @@ One process holds the target once per format (`target.weights`); prompt by promp
 runs plain decoding and prompt lookup in turn, so drift on a shared machine hits them alike.
 Reported per format: the plain step (decode only), prefill per prompt token, end-to-end tokens/s
 (prefill included), prompt lookup's speedup, and on how many prompts prompt lookup's output
-equals the same format's plain output (where not, bench's mismatch report names the tie).
+equals the same format's plain output (where not, bench's mismatch report names the tie); then
+the verify curve T(1 + k) / T(1), the bytes a plain step streams with their bandwidth floor, and
+the resident memory of a process holding the target in that format alone (a replica's share).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
 from bench.prompts import load_prompts
+from bench.verify_cost import measure_verify_curve
 from workers.config import EngineConfig, NgramDrafterConfig, TargetConfig
 from workers.engine import GenerationResult, SpecEngine
 from workers.sampling import SamplingParams
@@ -23,6 +28,19 @@ from workers.sampling import SamplingParams
 
 def _decode_ms(r: GenerationResult) -> float:
     return (r.wall_s - r.prefill_s) / r.num_steps * 1e3
+
+
+def _resident_mib(weights: str, prompt: str) -> float:
+    """VmRSS of a fresh process that loaded the target in `weights` and decoded a few tokens."""
+    code = ("import torch, sys; torch.set_num_threads(2)\n"
+            "from workers.config import EngineConfig, TargetConfig\n"
+            "from workers.engine import SpecEngine\n"
+            "from workers.sampling import SamplingParams\n"
+            f"e = SpecEngine.from_config(EngineConfig(target=TargetConfig(weights={weights!r}), drafters=[]))\n"
+            "e.generate(e.encode(sys.argv[1]), SamplingParams(max_tokens=16))\n"
+            "print(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1])\n")
+    out = subprocess.run([sys.executable, "-c", code, prompt], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1]) / 1024
 
 
 def main() -> None:
@@ -60,6 +78,14 @@ def main() -> None:
         same = sum(a.token_ids == b.token_ids for a, b in zip(plain, ngram))
         print(f"| {f} | {statistics.median(_decode_ms(r) for r in plain):.1f} | {prefill:.2f} | {tokens / wall:.1f} "
               f"| {wall / sum(r.wall_s for r in ngram):.2f}x | {same}/{len(plain)} |")
+
+    print("\n| weights | T(1) ms | T(2)/T(1) | T(6)/T(1) | weights MB a step | floor ms | resident MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for f in formats:
+        curve = measure_verify_curve(engines[f].target.model, ks=(1, 5))
+        (t1, t2, t6), floor = curve["step_s"], curve["bandwidth_floor"]
+        print(f"| {f} | {t1 * 1e3:.1f} | {t2 / t1:.2f} | {t6 / t1:.2f} | {floor['weights_bytes'] / 1e6:.0f} "
+              f"| {floor['floor_s'] * 1e3:.1f} | {_resident_mib(f, first):.0f} |")
 
 
 if __name__ == "__main__":

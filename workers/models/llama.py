@@ -313,6 +313,13 @@ class FastLlama:
         if quantized is not None and bfloat16:
             raise ValueError("the layer products are either int4 or bfloat16")
         sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
+
+        def own(name: str) -> torch.Tensor:
+            # a copy for what is kept as it is: a tensor loaded from safetensors is a view of the
+            # file's mapping, and one kept view keeps the whole file (every format's float32
+            # weights) resident beside the copies the products made
+            return sd[name].clone()
+
         # every row computed the same way whatever shares its forward (see invariant_min_queries)
         self.batch_invariant = quantized is not None or bfloat16
         self.device = next(hf_model.parameters()).device
@@ -335,18 +342,19 @@ class FastLlama:
         attn, mlp = "model.layers.{}.self_attn.{}_proj.weight", "model.layers.{}.mlp.{}_proj.weight"
         self.layers = [
             _Layer(
-                input_norm=sd[f"model.layers.{i}.input_layernorm.weight"],
+                input_norm=own(f"model.layers.{i}.input_layernorm.weight"),
                 qkv=product(*(attn.format(i, p) for p in "qkv")),
                 o=product(attn.format(i, "o")),
-                post_norm=sd[f"model.layers.{i}.post_attention_layernorm.weight"],
+                post_norm=own(f"model.layers.{i}.post_attention_layernorm.weight"),
                 gate_up=product(mlp.format(i, "gate"), mlp.format(i, "up")),
                 down=product(mlp.format(i, "down")),
             )
             for i in range(cfg.num_hidden_layers)
         ]
-        self.embed = sd["model.embed_tokens.weight"]  # [vocab, hidden]
-        self.final_norm = sd["model.norm.weight"]
-        head = sd.get("lm_head.weight", self.embed)
+        self.embed = own("model.embed_tokens.weight")  # [vocab, hidden]
+        self.final_norm = own("model.norm.weight")
+        tied = "lm_head.weight" not in sd or sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr()
+        head = self.embed if tied else own("lm_head.weight")
         if head_rows is not None:
             head = head[head_rows.to(head.device)]
         bfloat16_head = bfloat16 or (quantized is not None and self.device.type == "cpu" and cpu_bfloat16_pays())
