@@ -226,8 +226,9 @@ def load_model(cfg: ModelConfig, embeddings: torch.Tensor | None = None) -> Load
         raise ModelLoadError(f"{Path(source) / DRAFT_VOCAB_FILE}: token ids must be in 0..{size - 1} "
                              f"(the vocabulary size is {size}), and there must be at least one")
     quantized, bfloat16 = _weight_format(cfg, hf_model, use_fast)
-    model: CausalLM = (llama.FastLlama(hf_model, eos, vocab, quantized, bfloat16) if use_fast
-                       else hf.HFCausalLM(hf_model, eos))
+    shared = embeddings is not None
+    model: CausalLM = (llama.FastLlama(hf_model, eos, vocab, quantized, bfloat16, shared_embeddings=shared)
+                       if use_fast else hf.HFCausalLM(hf_model, eos))
     name = Path(cfg.model).stem if cfg.model.startswith("pkg:") else str(cfg.model)
     return LoadedModel(model=model, tokenizer=tokenizer, source_dir=source, name=name, draft_vocab=vocab)
 

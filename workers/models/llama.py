@@ -297,7 +297,7 @@ class FastLlama:
 
     def __init__(
         self, hf_model: PreTrainedModel, eos_token_ids: frozenset[int], head_rows: torch.Tensor | None = None,
-        quantized: Mapping[str, Int4Weight] | None = None, bfloat16: bool = False,
+        quantized: Mapping[str, Int4Weight] | None = None, bfloat16: bool = False, shared_embeddings: bool = False,
     ) -> None:
         """`head_rows`: token ids the lm_head computes logits for, in that order (a drafter's
         reduced vocabulary: logits column i is token head_rows[i]); None: the whole vocabulary.
@@ -306,7 +306,9 @@ class FastLlama:
         `bfloat16`: every product, the lm_head included, on packed bfloat16 weights
         (workers/models/bf16.py); the embeddings stay float. With int4 layers the lm_head is
         bfloat16 too where the CPU computes it fast: float32 logits at 6 rows cost 3x one row
-        there, bfloat16 ones the same as one (its weights are ~20% of an int4 step's bytes)."""
+        there, bfloat16 ones the same as one (its weights are ~20% of an int4 step's bytes).
+        `shared_embeddings`: the embeddings are another model's (a drafter sharing its target's),
+        kept as given, never copied."""
         cfg = hf_model.config
         if not supports(cfg):
             raise ValueError(f"FastLlama does not support {cfg.model_type} with this config")
@@ -351,9 +353,10 @@ class FastLlama:
             )
             for i in range(cfg.num_hidden_layers)
         ]
-        self.embed = own("model.embed_tokens.weight")  # [vocab, hidden]
+        embed_key = "model.embed_tokens.weight"
+        self.embed = sd[embed_key] if shared_embeddings else own(embed_key)  # [vocab, hidden]
         self.final_norm = own("model.norm.weight")
-        tied = "lm_head.weight" not in sd or sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr()
+        tied = "lm_head.weight" not in sd or sd["lm_head.weight"].data_ptr() == sd[embed_key].data_ptr()
         head = self.embed if tied else own("lm_head.weight")
         if head_rows is not None:
             head = head[head_rows.to(head.device)]
