@@ -9,6 +9,9 @@
 - `chain_accepts`: what a greedy k = 1 chain accepts, given bench/agreement.py's per-position hits.
 - `assert_same_or_tie`: a greedy output equals the expected one, or first differs where the
   target's top two logits tie within float rounding.
+- `compact_target_engine` / `compact_prompts` / `logits_three_ways` / `decode_three_ways`: the
+  shipped target in a compact weight format (int4, bfloat16) and the checks that its rows score
+  and decode the same alone, in a verify chain and in a batch.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ import torch
 import yaml
 from scipy.stats import chisquare
 
-from workers.config import EngineConfig
+from workers.batch import BatchEngine
+from workers.config import PLAIN, EngineConfig, NgramDrafterConfig, TargetConfig
 from workers.drafters.eagle import EagleConfig, EagleNet
 from workers.drafters.medusa import MedusaConfig, MedusaHeads
-from workers.engine import GenerationResult, SpecEngine
-from workers.models.base import CausalLM
+from workers.engine import GenerationResult, SpecEngine, StepOrder
+from workers.models.base import CausalLM, SeqInput
 from workers.sampling import SamplingParams, probs_from_logits
 
 
@@ -251,3 +255,66 @@ def assert_same_or_tie(engine: Any, prompt: list[int], got: list[int], expected:
                            last_only=True).logits[0]
     top2 = logits.topk(2).values
     assert (top2[0] - top2[1]).item() < 1e-4, f"position {i}: {got[i:i + 3]} vs {expected[i:i + 3]}, top-2 {top2}"
+
+
+def compact_target_engine(weights: str) -> SpecEngine:
+    """The shipped target in `weights`, prompt lookup, a batch of 3 with small prefill chunks."""
+    return SpecEngine.from_config(EngineConfig(
+        target=TargetConfig(weights=weights, max_model_len=1024), drafters=[NgramDrafterConfig()],
+        scheduler={"max_num_seqs": 3, "max_num_batched_tokens": 64},
+    ))
+
+
+def compact_prompts(engine: SpecEngine, spec_bench: Callable[[str, int], list[dict]]) -> list[list[int]]:
+    """Two summaries (long copies for prompt lookup), a writing and a math prompt."""
+    questions = spec_bench("summarization", 2) + spec_bench("writing", 1) + spec_bench("math_reasoning", 1)
+    return [engine.encode(q["turns"][0]) for q in questions]
+
+
+@dataclass
+class ThreeWays:
+    steps: torch.Tensor  # [6, vocab]: the last 6 tokens one forward each, alone
+    chain: torch.Tensor  # the same 6 in one forward, alone
+    batched: torch.Tensor  # the same 6 in one batched forward beside the other prompts'
+
+
+def logits_three_ways(engine: SpecEngine, prompts: list[list[int]]) -> list[ThreeWays]:
+    """Each prompt's last 6 tokens scored alone step by step, as a verify chain, and in a batch
+    (the heads prefilled side by side in a pool)."""
+    model = engine.target.model
+    pool = model.new_pool(len(prompts), 1024)
+    caches = [pool.allocate() for _ in prompts]
+    heads, tails = [torch.tensor(p[:-6]) for p in prompts], [torch.tensor(p[-6:]) for p in prompts]
+    model.forward_batch([SeqInput(h, c, "none") for h, c in zip(heads, caches)])
+    batched = model.forward_batch([SeqInput(t, c, "all") for t, c in zip(tails, caches)])
+    out = []
+    for head, tail, b in zip(heads, tails, batched):
+        alone = model.new_cache(1024)
+        model.forward(head, alone, last_only=True)
+        chain = model.forward(tail, alone).logits
+        alone.truncate(head.numel())
+        steps = torch.cat([model.forward(tail[i : i + 1], alone).logits for i in range(6)])
+        out.append(ThreeWays(steps, chain, b.logits))
+    return out
+
+
+@dataclass
+class Decoded:
+    plain: list[list[int]]
+    drafted: list[GenerationResult]  # prompt lookup, k = 6, one request at a time
+    batched: list[list[int]]  # plain and prompt-lookup requests alternating in one batch
+
+
+def decode_three_ways(engine: SpecEngine, prompts: list[list[int]], max_tokens: int = 48) -> Decoded:
+    """Greedy: plain, prompt lookup alone, and a batch mixing both (more requests than slots,
+    prompts prefilled in chunks beside decode rows)."""
+    params = SamplingParams(max_tokens=max_tokens)
+    plain = [engine.generate(p, params).token_ids for p in prompts]
+    drafted = [engine.generate(p, params, drafter="ngram", draft_len=6) for p in prompts]
+    batch = BatchEngine(engine)
+    gens = [batch.add(p, params) for p in prompts]
+    orders = {g: StepOrder("ngram", 6) if i % 2 else StepOrder(PLAIN, 0) for i, g in enumerate(gens)}
+    while batch.num_unfinished:
+        step = batch.step({g: orders[g] for g in batch.schedule()})
+        assert not step.failed
+    return Decoded(plain, drafted, [gen.output_ids for gen in gens])

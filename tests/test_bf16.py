@@ -8,17 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import compact_prompts, compact_target_engine, decode_three_ways, logits_three_ways
 
 from bench.verify_cost import weight_bytes
-from workers.batch import BatchEngine
-from workers.config import PLAIN, EngineConfig, NgramDrafterConfig, TargetConfig
-from workers.engine import SpecEngine, StepOrder
-from workers.models.base import SeqInput
+from workers.config import TargetConfig
+from workers.engine import SpecEngine
 from workers.models.bf16 import Bf16Linear, bfloat16_available
 from workers.models.cpu import cpu_bfloat16_pays
 from workers.models.llama import Linear
 from workers.models.quant import Int4Linear
-from workers.sampling import SamplingParams
 from workers.target import ModelLoadError, load_model
 
 pytestmark = pytest.mark.skipif(not bfloat16_available(torch.device("cpu")), reason="torch built without oneDNN")
@@ -56,16 +54,12 @@ def test_weights_auto_takes_the_files_int4_blocks_and_bfloat16_needs_the_fast_ba
 
 @pytest.fixture(scope="module")
 def bf16_engine() -> SpecEngine:
-    return SpecEngine.from_config(EngineConfig(
-        target=TargetConfig(weights="bfloat16", max_model_len=1024), drafters=[NgramDrafterConfig()],
-        scheduler={"max_num_seqs": 3, "max_num_batched_tokens": 64},
-    ))
+    return compact_target_engine("bfloat16")
 
 
 @pytest.fixture(scope="module")
 def bf16_prompts(bf16_engine: SpecEngine, spec_bench) -> list[list[int]]:
-    questions = spec_bench("summarization", 2) + spec_bench("writing", 1) + spec_bench("math_reasoning", 1)
-    return [bf16_engine.encode(q["turns"][0]) for q in questions]
+    return compact_prompts(bf16_engine, spec_bench)
 
 
 @fast_bfloat16
@@ -73,40 +67,19 @@ def test_a_bfloat16_rows_logits_are_bit_for_bit_the_same_alone_in_a_verify_chain
     bf16_engine: SpecEngine, bf16_prompts: list[list[int]],
 ) -> None:
     """Every product (the lm_head too) and the attention are row-invariant, so nothing differs."""
-    model = bf16_engine.target.model
-    pool = model.new_pool(len(bf16_prompts), 1024)
-    caches = [pool.allocate() for _ in bf16_prompts]
-    heads, tails = [torch.tensor(p[:-6]) for p in bf16_prompts], [torch.tensor(p[-6:]) for p in bf16_prompts]
-    model.forward_batch([SeqInput(h, c, "none") for h, c in zip(heads, caches)])  # prefill side by side
-    batched = model.forward_batch([SeqInput(t, c, "all") for t, c in zip(tails, caches)])
-    for head, tail, out in zip(heads, tails, batched):
-        alone = model.new_cache(1024)
-        model.forward(head, alone, last_only=True)
-        chain = model.forward(tail, alone).logits
-        alone.truncate(head.numel())
-        steps = torch.cat([model.forward(tail[i : i + 1], alone).logits for i in range(6)])
-        assert torch.equal(chain, steps) and torch.equal(out.logits, steps)
+    for three in logits_three_ways(bf16_engine, bf16_prompts):
+        assert torch.equal(three.chain, three.steps) and torch.equal(three.batched, three.steps)
 
 
 @fast_bfloat16
 def test_bfloat16_target_speculative_and_batched_output_equals_its_plain_output(
     bf16_engine: SpecEngine, bf16_prompts: list[list[int]],
 ) -> None:
-    """Prompt lookup alone, and a batch mixing plain and prompt-lookup requests (more requests
-    than slots, prompts prefilled in chunks beside decode rows): token for token."""
-    params = SamplingParams(max_tokens=48)
-    plain = [bf16_engine.generate(p, params).token_ids for p in bf16_prompts]
-    drafted = [bf16_engine.generate(p, params, drafter="ngram", draft_len=6) for p in bf16_prompts]
-    assert [r.token_ids for r in drafted] == plain
-    assert sum(r.num_accepted_tokens for r in drafted) > 0  # the summaries copy their articles
-
-    batch = BatchEngine(bf16_engine)
-    gens = [batch.add(p, params) for p in bf16_prompts]
-    orders = {g: StepOrder("ngram", 6) if i % 2 else StepOrder(PLAIN, 0) for i, g in enumerate(gens)}
-    while batch.num_unfinished:
-        step = batch.step({g: orders[g] for g in batch.schedule()})
-        assert not step.failed
-    assert [gen.output_ids for gen in gens] == plain
+    """Prompt lookup alone, and a batch mixing plain and prompt-lookup requests: token for token."""
+    out = decode_three_ways(bf16_engine, bf16_prompts)
+    assert [r.token_ids for r in out.drafted] == out.plain
+    assert sum(r.num_accepted_tokens for r in out.drafted) > 0  # the summaries copy their articles
+    assert out.batched == out.plain
 
 
 @fast_bfloat16

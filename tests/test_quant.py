@@ -8,16 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_or_tie
+from helpers import assert_same_or_tie, compact_prompts, compact_target_engine, decode_three_ways, logits_three_ways
 from safetensors.torch import load_file
 
 from bench.verify_cost import weight_bytes
-from workers.batch import BatchEngine
-from workers.config import PLAIN, EngineConfig, ModelConfig, NgramDrafterConfig, TargetConfig
-from workers.engine import SpecEngine, StepOrder
-from workers.models.base import SeqInput
+from workers.config import ModelConfig, TargetConfig
+from workers.engine import SpecEngine
 from workers.models.quant import GROUP_SIZE, Int4Linear, Int4Weight, read_gguf_int4
-from workers.sampling import SamplingParams
 from workers.target import ModelLoadError, _resolve_pkg, load_model
 
 TARGET_GGUF = ModelConfig().model
@@ -70,16 +67,12 @@ def test_int4_needs_a_gguf_file(tiny_llama_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def int4_engine() -> SpecEngine:
-    return SpecEngine.from_config(EngineConfig(
-        target=TargetConfig(weights="int4", max_model_len=1024), drafters=[NgramDrafterConfig()],
-        scheduler={"max_num_seqs": 3, "max_num_batched_tokens": 64},
-    ))
+    return compact_target_engine("int4")
 
 
 @pytest.fixture(scope="module")
 def int4_prompts(int4_engine: SpecEngine, spec_bench) -> list[list[int]]:
-    questions = spec_bench("summarization", 2) + spec_bench("writing", 1) + spec_bench("math_reasoning", 1)
-    return [int4_engine.encode(q["turns"][0]) for q in questions]
+    return compact_prompts(int4_engine, spec_bench)
 
 
 def test_an_int4_rows_logits_are_the_same_alone_in_a_verify_chain_and_in_a_batch(
@@ -87,44 +80,23 @@ def test_an_int4_rows_logits_are_the_same_alone_in_a_verify_chain_and_in_a_batch
 ) -> None:
     """Rounding each product's input to bfloat16 magnifies float32 differences ~10^4-fold, so
     this holds only because the attention is row-invariant too: the logits differ by the float32
-    lm_head's kernel choice at most, as on the float32 target."""
-    model = int4_engine.target.model
-    pool = model.new_pool(len(int4_prompts), 1024)
-    caches = [pool.allocate() for _ in int4_prompts]
-    heads, tails = [torch.tensor(p[:-6]) for p in int4_prompts], [torch.tensor(p[-6:]) for p in int4_prompts]
-    model.forward_batch([SeqInput(h, c, "none") for h, c in zip(heads, caches)])  # prefill side by side
-    batched = model.forward_batch([SeqInput(t, c, "all") for t, c in zip(tails, caches)])
-    for head, tail, out in zip(heads, tails, batched):
-        alone = model.new_cache(1024)
-        model.forward(head, alone, last_only=True)
-        chain = model.forward(tail, alone).logits
-        alone.truncate(head.numel())
-        steps = torch.cat([model.forward(tail[i : i + 1], alone).logits for i in range(6)])
-        torch.testing.assert_close(chain, steps, atol=2e-4, rtol=0)
-        torch.testing.assert_close(out.logits, steps, atol=2e-4, rtol=0)
+    lm_head's kernel choice at most (where the CPU lacks fast bfloat16), as on the float32 target."""
+    for three in logits_three_ways(int4_engine, int4_prompts):
+        torch.testing.assert_close(three.chain, three.steps, atol=2e-4, rtol=0)
+        torch.testing.assert_close(three.batched, three.steps, atol=2e-4, rtol=0)
 
 
 def test_int4_target_speculative_and_batched_output_equals_its_plain_output(
     int4_engine: SpecEngine, int4_prompts: list[list[int]],
 ) -> None:
-    """Prompt lookup alone, and a batch mixing plain and prompt-lookup requests (more requests
-    than slots, prompts prefilled in chunks beside decode rows): the int4 target's own plain
-    output (a differing token only at a float32 tie of the top two logits)."""
-    params = SamplingParams(max_tokens=48)
-    plain = [int4_engine.generate(p, params).token_ids for p in int4_prompts]
-    drafted = [int4_engine.generate(p, params, drafter="ngram", draft_len=6) for p in int4_prompts]
-    for prompt, r, expected in zip(int4_prompts, drafted, plain):
+    """Prompt lookup alone, and a batch mixing plain and prompt-lookup requests: the int4
+    target's own plain output (a differing token only at a float32 tie of the top two logits)."""
+    out = decode_three_ways(int4_engine, int4_prompts)
+    for prompt, r, expected in zip(int4_prompts, out.drafted, out.plain):
         assert_same_or_tie(int4_engine, prompt, r.token_ids, expected)
-    assert sum(r.num_accepted_tokens for r in drafted) > 0  # the summaries copy their articles
-
-    batch = BatchEngine(int4_engine)
-    gens = [batch.add(p, params) for p in int4_prompts]
-    orders = {g: StepOrder("ngram", 6) if i % 2 else StepOrder(PLAIN, 0) for i, g in enumerate(gens)}
-    while batch.num_unfinished:
-        step = batch.step({g: orders[g] for g in batch.schedule()})
-        assert not step.failed
-    for prompt, gen, expected in zip(int4_prompts, gens, plain):
-        assert_same_or_tie(int4_engine, prompt, gen.output_ids, expected)
+    assert sum(r.num_accepted_tokens for r in out.drafted) > 0  # the summaries copy their articles
+    for prompt, got, expected in zip(int4_prompts, out.batched, out.plain):
+        assert_same_or_tie(int4_engine, prompt, got, expected)
 
 
 def test_a_pool_slot_reads_only_finite_keys_when_its_sequence_runs_alone(
