@@ -302,7 +302,7 @@ class FastLlama:
         """`head_rows`: token ids the lm_head computes logits for, in that order (a drafter's
         reduced vocabulary: logits column i is token head_rows[i]); None: the whole vocabulary.
         `quantized`: the layer products' 4-bit weights by name (workers/models/quant.py), used
-        instead of the model's float ones (the embeddings and lm_head stay float).
+        instead of the model's float ones (the embeddings stay float; the lm_head, see below).
         `bfloat16`: every product, the lm_head included, on packed bfloat16 weights
         (workers/models/bf16.py); the embeddings stay float. With int4 layers the lm_head is
         bfloat16 too where the CPU computes it fast: float32 logits at 6 rows cost 3x one row
