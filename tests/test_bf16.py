@@ -13,14 +13,13 @@ from helpers import compact_prompts, compact_target_engine, decode_three_ways, l
 from bench.verify_cost import weight_bytes
 from workers.config import TargetConfig
 from workers.engine import SpecEngine
-from workers.models.bf16 import Bf16Linear, bfloat16_available
-from workers.models.cpu import cpu_bfloat16_pays
+from workers.models.bf16 import Bf16Linear, bfloat16_available, bfloat16_fast
 from workers.models.llama import Linear
 from workers.models.quant import Int4Linear
 from workers.target import ModelLoadError, load_model
 
 pytestmark = pytest.mark.skipif(not bfloat16_available(torch.device("cpu")), reason="torch built without oneDNN")
-fast_bfloat16 = pytest.mark.skipif(not bfloat16_available(torch.device("cpu")) or not cpu_bfloat16_pays(),
+fast_bfloat16 = pytest.mark.skipif(not bfloat16_fast(torch.device("cpu")),
                                    reason="no bfloat16 instructions: a bfloat16 target takes minutes here")
 
 
@@ -46,7 +45,7 @@ def test_weights_auto_takes_the_files_int4_blocks_and_bfloat16_needs_the_fast_ba
     shipped = load_model(TargetConfig(weights="auto", max_model_len=512)).model
     assert all(isinstance(layer.qkv, Int4Linear) for layer in shipped.layers)
     tiny = load_model(TargetConfig(model=str(tiny_llama_dir), weights="auto")).model  # no GGUF blocks
-    expected = Bf16Linear if cpu_bfloat16_pays() else Linear
+    expected = Bf16Linear if bfloat16_fast(torch.device("cpu")) else Linear
     assert isinstance(tiny.layers[0].qkv, expected) and isinstance(tiny.lm_head, expected)
     with pytest.raises(ModelLoadError, match="weights 'bfloat16' runs on the fast backend only"):
         load_model(TargetConfig(model=str(tiny_llama_dir), weights="bfloat16", backend="hf"))

@@ -29,7 +29,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from workers.config import ModelConfig, TargetConfig, default_cache_dir
 from workers.models import bf16, hf, llama, quant
 from workers.models.base import CausalLM
-from workers.models.cpu import cpu_bfloat16_pays
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +247,7 @@ def _weight_format(
         try:  # the most compact: the file's own 4-bit blocks, where it has them
             return _read_quantized(cfg, hf_model), False
         except ModelLoadError:
-            return None, bf16.bfloat16_available(torch.device("cpu")) and cpu_bfloat16_pays()
+            return None, bf16.bfloat16_fast(torch.device("cpu"))
     if not use_fast:
         raise ModelLoadError(f"model {cfg.model!r}: weights {weights!r} runs on the fast backend only")
     if not on_cpu:
@@ -258,7 +257,7 @@ def _weight_format(
         return _read_quantized(cfg, hf_model), False
     if not bf16.bfloat16_available(torch.device("cpu")):
         raise ModelLoadError("weights 'bfloat16' needs torch's oneDNN (mkldnn) build")
-    if not cpu_bfloat16_pays():
+    if not bf16.bfloat16_fast(torch.device("cpu")):
         log.warning("weights 'bfloat16': this CPU has no bfloat16 instructions, so its products take a slow "
                     "reference path; weights 'int4' or 'float32' run faster here")
     return None, True

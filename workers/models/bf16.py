@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from workers.models.cpu import cpu_bfloat16_pays
+
 _MAX_CALL_ROWS = 128  # the largest call probed; more rows run as several calls
 _PACK_ROWS_HINT = 1  # oneDNN's packing for this many rows: decode steps are its common case
 
@@ -29,6 +31,12 @@ def bfloat16_available(device: torch.device) -> bool:
     """oneDNN's bfloat16 linear exists in this torch build (its speed is `cpu_bfloat16_pays`)."""
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
                                                                                      "_reorder_linear_weight")
+
+
+def bfloat16_fast(device: torch.device) -> bool:
+    """Whether bfloat16 products run here, and near float32's pace: where a compact format may
+    choose them (without bfloat16 instructions torch takes a reference path ~50x slower)."""
+    return bfloat16_available(device) and cpu_bfloat16_pays()
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

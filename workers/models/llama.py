@@ -33,8 +33,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from workers.models.base import ForwardOutput, ModelInfo, SeqInput, TargetView, forward_each
-from workers.models.bf16 import Bf16Linear
-from workers.models.cpu import cpu_bfloat16_pays
+from workers.models.bf16 import Bf16Linear, bfloat16_fast
 from workers.models.quant import Int4Linear, Int4Weight
 from workers.tree import DraftTree
 
@@ -360,7 +359,7 @@ class FastLlama:
         head = self.embed if tied else own("lm_head.weight")
         if head_rows is not None:
             head = head[head_rows.to(head.device)]
-        bfloat16_head = bfloat16 or (quantized is not None and self.device.type == "cpu" and cpu_bfloat16_pays())
+        bfloat16_head = bfloat16 or (quantized is not None and bfloat16_fast(self.device))
         self.lm_head: Linear | Bf16Linear = Bf16Linear(head) if bfloat16_head else Linear(head)
         # what a feature drafter multiplies by in float32: the head's own transposed copy, or a
         # view of the float weights (the embeddings themselves where the model ties them)
