@@ -30,6 +30,7 @@ from transformers import PreTrainedTokenizerBase
 from bench.prompts import BenchPrompt
 from bench.records import RunRecord
 from bench.summary import LLAMA_CPP_PLAIN
+from workers.sampling import SamplingParams
 
 ENV_VAR = "LLAMA_CPP_BIN"
 _SPEC_HEADROOM = 32  # context past prompt + budget: speculation may run a few tokens over
@@ -135,8 +136,9 @@ class LlamaCppMethod:
     tokenizer: PreTrainedTokenizerBase
     threads: int
 
-    def run(self, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int) -> RunRecord:
-        mode = MODES[self.name]
+    def run(self, prompt: BenchPrompt, prompt_ids: list[int], params: SamplingParams) -> RunRecord:
+        """One greedy run (check_methods refuses llama.cpp's modes for a sampled bench)."""
+        mode, max_tokens = MODES[self.name], params.max_tokens
         prompt_text = self.tokenizer.decode(prompt_ids, clean_up_tokenization_spaces=False)
         with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
             f.write(prompt_text)

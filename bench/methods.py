@@ -7,8 +7,10 @@
   hf-assisted  transformers assisted generation; the assistant is the first `model` drafter's model
   router       SpecRoute's adaptive routing: classifier, policy, live statistics of this run
   llama-cpp*   llama.cpp on the target's GGUF file, plain and its speculation (bench/llama_cpp.py)
-All are greedy with the same token budget and the same EOS set, so outputs must be identical
-(llama.cpp's to its own plain output).
+All run with the same token budget, EOS set and sampling parameters. Greedy, outputs must be
+identical (llama.cpp's to its own plain output); sampled (`--temperature`), each prompt has one
+seed for every method, and the outputs follow the target's distribution rather than plain's
+tokens (llama.cpp's modes run greedy only).
 Drafters that learn from traffic (suffix) keep one memory per method (`TrafficMemories`); a
 fixed-drafter method's domain is the prompt's category, the router's its classifier's.
 """
@@ -46,13 +48,16 @@ PROMPT_LOOKUP_NUM_TOKENS = 10  # transformers' documented example value
 class Method(Protocol):
     name: str
 
-    def run(self, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int) -> RunRecord: ...
+    def run(self, prompt: BenchPrompt, prompt_ids: list[int], params: SamplingParams) -> RunRecord: ...
 
 
-def check_methods(methods: list[str], config: EngineConfig, llama_cpp: Path | None = None) -> list[str]:
+def check_methods(
+    methods: list[str], config: EngineConfig, llama_cpp: Path | None = None, *, greedy: bool = True,
+) -> list[str]:
     """The methods to run, plain first (it is every other method's baseline), then llama.cpp's
     plain where any of its modes runs (their reference), duplicates dropped. `llama_cpp`: the
-    directory of llama.cpp's binaries. Raises ValueError naming the first method that cannot run."""
+    directory of llama.cpp's binaries; `greedy`: False for a sampled run, which llama.cpp's modes
+    do not take. Raises ValueError naming the first method that cannot run."""
     valid = [PLAIN_METHOD, *(d.name for d in config.drafters), ROUTER_METHOD, *HF_METHODS, *LLAMA_CPP_MODES]
     for name in methods:
         if name not in valid:
@@ -60,6 +65,9 @@ def check_methods(methods: list[str], config: EngineConfig, llama_cpp: Path | No
     if "hf-assisted" in methods and assistant_config(config) is None:
         raise ValueError("method 'hf-assisted' needs a drafter of kind 'model' in the engine config "
                          "(its model is the assistant); none is configured")
+    if not greedy and (peers := [m for m in methods if m in LLAMA_CPP_MODES]):
+        raise ValueError(f"method {peers[0]!r} runs greedy only (its sampler draws other random numbers, and its "
+                         "speculation is compared with its own plain output); drop --temperature or the method")
     check_llama_cpp(methods, llama_cpp, gguf_file(config.target))
     first = [PLAIN_METHOD, *([LLAMA_CPP_PLAIN] if set(methods) & set(LLAMA_CPP_MODES) else [])]
     return list(dict.fromkeys([*first, *methods]))
@@ -101,8 +109,7 @@ class EngineMethod:
     engine: SpecEngine
     drafter: str  # PLAIN or a configured drafter name; k is the drafter's static draft_len
 
-    def run(self, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int) -> RunRecord:
-        params = SamplingParams(max_tokens=max_tokens)  # greedy
+    def run(self, prompt: BenchPrompt, prompt_ids: list[int], params: SamplingParams) -> RunRecord:
         t0 = time.perf_counter()
         result = self.engine.generate(prompt_ids, params, self.drafter, domain=prompt.category)
         return engine_record(prompt, self.name, result, time.perf_counter() - t0)
@@ -115,8 +122,7 @@ class RouterMethod:
     name: str
     router: Router
 
-    def run(self, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int) -> RunRecord:
-        params = SamplingParams(max_tokens=max_tokens)  # greedy
+    def run(self, prompt: BenchPrompt, prompt_ids: list[int], params: SamplingParams) -> RunRecord:
         t0 = time.perf_counter()
         result = route(self.router, prompt_ids, params, prompt.text)
         return engine_record(prompt, self.name, result, time.perf_counter() - t0)
@@ -169,13 +175,17 @@ class HFMethod:
     assistant: PreTrainedModel | None = None
     prompt_lookup_num_tokens: int | None = None
 
-    def run(self, prompt: BenchPrompt, prompt_ids: list[int], max_tokens: int) -> RunRecord:
+    def run(self, prompt: BenchPrompt, prompt_ids: list[int], params: SamplingParams) -> RunRecord:
         # a fresh config: the checkpoint's own generation defaults (sampling, penalties) must not
-        # leak into a greedy comparison
+        # leak into the comparison (top_k 0: the whole vocabulary, as our engine samples)
         gen_config = GenerationConfig(
-            max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(self.eos_token_ids),
+            max_new_tokens=params.max_tokens, do_sample=not params.greedy, eos_token_id=sorted(self.eos_token_ids),
             pad_token_id=self.pad_token_id, prompt_lookup_num_tokens=self.prompt_lookup_num_tokens,
+            **({} if params.greedy else {"temperature": params.temperature, "top_k": params.top_k,
+                                         "top_p": params.top_p}),
         )
+        if not params.greedy and params.seed is not None:
+            torch.manual_seed(params.seed)  # generate samples from the global stream
         t0 = time.perf_counter()
         input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
         with count_forwards(self.model) as count:

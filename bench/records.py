@@ -39,7 +39,7 @@ class MethodSummary:
     speedup: float | None  # plain wall / method wall over the same prompts (Spec-Bench)
     mat: float | None  # new tokens / target forwards, bonus included
     tokens_per_s: float | None
-    lossless: bool  # every prompt's token_ids equal plain's
+    lossless: bool | None  # every prompt's token_ids equal plain's; None: a sampled run
     ttft_s: float | None = None  # mean time to the first tokens (prefill + first step)
     itl_s: float | None = None  # mean time per token after the first: the decode phase
     decode_speedup: float | None = None  # plain's decode-phase time / the method's (prefill excluded)

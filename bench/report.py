@@ -25,7 +25,7 @@ def summary_table(results: dict) -> list[str]:
             name = f"**{category}**" if category == OVERALL else category
             lines.append(
                 f"| {name} | {method} | {_fmt(s['speedup'], '.2f')}x | {_fmt(s['mat'], '.2f')} "
-                f"| {_fmt(s['tokens_per_s'], '.1f')} | {'yes' if s['lossless'] else '**no**'} |"
+                f"| {_fmt(s['tokens_per_s'], '.1f')} | {_lossless(s['lossless'])} |"
             )
     return lines
 
@@ -48,6 +48,23 @@ def latency_table(results: dict) -> list[str]:
                 f"| {_fmt(s['verify_ms'], '.1f')} |"
             )
     return lines if len(lines) > 2 else ["No method of this run reports its latency."]
+
+
+def _lossless(value: bool | None) -> str:
+    return "n/a" if value is None else "yes" if value else "**no**"
+
+
+def sampled(results: dict) -> bool:
+    return bool((results.get("sampling") or {}).get("temperature"))  # results before sampling runs: greedy
+
+
+def sampling_text(results: dict) -> str:
+    """How the run decoded: greedy, or sampled at a temperature with one seed per prompt."""
+    if not sampled(results):
+        return "greedy"
+    sampling = results["sampling"]
+    return (f"sampled at temperature {sampling['temperature']:g} (top-p {sampling.get('top_p', 1.0):g}, "
+            f"seeds {sampling['seed']} + prompt index, the same for every method)")
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -154,14 +171,15 @@ def write_report(results: dict, out: Path) -> list[Path]:
     num_prompts = len({r["question_id"] for r in results["runs"]})
     lines = [
         "# SpecRoute benchmark", "",
-        f"Target `{results['target']}` on {results['device']}; {num_prompts} prompts; greedy, at most "
+        f"Target `{results['target']}` on {results['device']}; {num_prompts} prompts; {sampling_text(results)}, at most "
         f"{results['max_tokens']} new tokens; methods interleaved prompt by prompt after a warm-up.", "",
         "## Speedup by category", "",
         "Speedup = the method's tokens per second / plain decoding's, over the same prompts: plain's total "
         "wall time / the method's wherever the method emits plain's tokens (Spec-Bench's definition). "
         "MAT = new tokens / target forwards, bonus token included (hardware independent). "
         "Lossless = token-identical to plain decoding on every prompt (llama.cpp's modes: to llama.cpp's "
-        "plain).", "",
+        "plain); n/a in a sampled run, whose outputs follow the target's distribution rather than plain's "
+        "tokens (tests/ check that distribution per drafter).", "",
         *summary_table(results), "", "![speedup](speedup.png)", "",
     ]
     if acceptance:
@@ -179,7 +197,9 @@ def write_report(results: dict, out: Path) -> list[Path]:
         lines += ["## The router's choices", "", *choices, ""]
     lines += ["## Drafting cost", "", *draft_cost_section(results["runs"]), "",
               "## Verification cost", "", *verify_curve_section(results["verify_curve"]), "",
-              "## Greedy losslessness", "", *mismatch_section(results["mismatches"]), "",
+              "## Greedy losslessness", "",
+              *(["Not checked token by token: this run sampled."] if sampled(results)
+                else mismatch_section(results["mismatches"])), "",
               "## Machine", "", *machine_section(results["machine"]), "",
               "## Command", "", "```", results["command"], "```", ""]
     (out / "report.md").write_text("\n".join(lines))

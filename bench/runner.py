@@ -1,8 +1,9 @@
 """`specroute bench`: run methods side by side on Spec-Bench prompts and write results + report.
 
-Measuring (DESIGN.md): one process, greedy, the same token budget for all; a warm-up through
-every method first; then methods interleaved prompt by prompt, so drift in machine speed (other
-load, thermal state) hits every method alike. Every output is checked against plain decoding.
+Measuring (DESIGN.md): one process, the same token budget and sampling for all (greedy unless
+`temperature` is set); a warm-up through every method first; then methods interleaved prompt by
+prompt, so drift in machine speed (other load, thermal state) hits every method alike. Every
+greedy output is checked against plain decoding.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import functools
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -64,6 +65,9 @@ class BenchArgs:
     file_order: bool = False  # the selected prompts in file order (a workload), not by category
     prime: int = 0  # the first N prompts run through every method untimed, feeding what learns from traffic
     llama_cpp: Path | None = None  # the directory of llama.cpp's binaries (its methods)
+    temperature: float = 0.0  # 0: greedy, outputs checked against plain's; else sampled
+    top_p: float = 1.0
+    seed: int = 0  # a sampled run's prompt i draws from seed + i, the same for every method
 
 
 def encode_checked(engine: SpecEngine, prompts: Sequence[BenchPrompt], params: SamplingParams) -> dict:
@@ -91,6 +95,9 @@ def run_concurrency_bench(args: BenchArgs) -> dict:
     """The concurrency run (bench/concurrency.py): DIR/results.json with summary.concurrency,
     DIR/report.md and DIR/throughput.png."""
     assert args.concurrency
+    if args.temperature > 0:
+        raise ValueError("--concurrency runs greedy (each level's outputs are checked against plain's); "
+                         "drop --temperature")
     methods = check_concurrency_methods(args.methods, [d.name for d in args.config.drafters])
     prompts = load_prompts(args.prompts, args.per_category, args.categories, args.heldout_mod)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -134,13 +141,15 @@ def run_bench(args: BenchArgs) -> dict:
     if args.concurrency:
         return run_concurrency_bench(args)
     # cheap checks first: a typo must not cost a model load
-    methods = check_methods(args.methods, args.config, args.llama_cpp)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    methods = check_methods(args.methods, args.config, args.llama_cpp, greedy=params.greedy)
     prompts = load_prompts(args.prompts, args.per_category, args.categories, args.heldout_mod,
                            file_order=args.file_order)
     if args.prime >= len(prompts):
         raise ValueError(f"--prime {args.prime} leaves none of the {len(prompts)} selected prompts to time")
     policy = load_policy(args.routing.policy_path()) if ROUTER_METHOD in methods else None
-    params = SamplingParams(max_tokens=args.max_tokens)
+    # one seed per prompt, shared by every method (greedy ignores it)
+    prompt_params = {p.question_id: replace(params, seed=args.seed + i) for i, p in enumerate(prompts)}
 
     engine = SpecEngine.from_config(args.config)
     prompt_ids = encode_checked(engine, prompts, params)
@@ -158,7 +167,7 @@ def run_bench(args: BenchArgs) -> dict:
     for p in prompts[: max(0, args.warmup)]:
         for method in runners:
             with memories.of(method.name):
-                method.run(p, prompt_ids[p.question_id], args.max_tokens)
+                method.run(p, prompt_ids[p.question_id], prompt_params[p.question_id])
     memories.reset()  # the warm-up prompts are timed again: nothing may have learned them
 
     records: list[RunRecord] = []
@@ -167,12 +176,12 @@ def run_bench(args: BenchArgs) -> dict:
             for method in runners:
                 bar.set_postfix_str(f"{p.category} q{p.question_id} {method.name}")
                 with memories.of(method.name):
-                    record = method.run(p, prompt_ids[p.question_id], args.max_tokens)
+                    record = method.run(p, prompt_ids[p.question_id], prompt_params[p.question_id])
                 if i >= args.prime:  # primed prompts only feed the memories
                     records.append(record)
                 bar.update()
 
-    mismatches = find_mismatches(records, prompt_ids, load_target)
+    mismatches = find_mismatches(records, prompt_ids, load_target) if params.greedy else []
     for m in mismatches:
         log.warning("method %s differs from %s on question %s at position %d (top-2 gap %s)", m.method,
                     reference_method(m.method), m.question_id, m.position,
@@ -186,7 +195,8 @@ def run_bench(args: BenchArgs) -> dict:
         "device": str(engine.target.model.device),
         "max_tokens": args.max_tokens,
         "runs": [asdict(r) for r in records],
-        "summary": {c: {m: asdict(s) for m, s in ms.items()} for c, ms in summarize(records).items()},
+        "sampling": {"temperature": params.temperature, "top_p": params.top_p, "seed": args.seed},
+        "summary": {c: {m: asdict(s) for m, s in ms.items()} for c, ms in summarize(records, params.greedy).items()},
         "mismatches": [asdict(m) for m in mismatches],
         "verify_curve": curve,
         "machine": machine_info(),

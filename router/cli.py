@@ -132,6 +132,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         routing=routing_config(args.policy), heldout_mod=args.heldout_mod,
         concurrency=_levels(args.concurrency) if args.concurrency is not None else None,
         file_order=args.order == "file", prime=args.prime, llama_cpp=llama_cpp_dir(args.llama_cpp),
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
     )
     try:
         run_bench(bench_args)
@@ -341,6 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR",
                        help="llama.cpp's binaries, for methods llama-cpp, llama-cpp-ngram, llama-cpp-lookup "
                             "(default: $LLAMA_CPP_BIN)")
+    bench.add_argument("--temperature", type=float, default=0.0,
+                       help="0 (default): greedy, every output checked against plain's; above 0: sampled, "
+                            "the same seed per prompt for every method")
+    bench.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of a sampled run")
+    bench.add_argument("--seed", type=int, default=0, help="a sampled run's prompt i draws from seed + i")
     bench.set_defaults(func=cmd_bench)
 
     load = sub.add_parser("load", help="concurrent streaming clients against a running server")

@@ -21,8 +21,8 @@ from bench.summary import OVERALL, summarize
 from workers.config import EngineConfig, NgramDrafterConfig, SuffixDrafterConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-RESULT_KEYS = {"target", "device", "max_tokens", "runs", "summary", "mismatches", "verify_curve", "machine",
-               "command"}
+RESULT_KEYS = {"target", "device", "max_tokens", "sampling", "runs", "summary", "mismatches", "verify_curve",
+               "machine", "command"}
 RUN_KEYS = {"question_id", "category", "method", "token_ids", "num_new_tokens", "wall_s", "num_steps",
             "num_draft_tokens", "num_accepted_tokens", "accepted_per_position"}
 METHODS = ["plain", "ngram", "self", "hf", "hf-pld", "hf-assisted"]
@@ -176,6 +176,48 @@ def test_cli_bench_primes_a_workload_in_file_order(tmp_path: Path, tiny_config: 
     assert not results["mismatches"]
     assert main(["bench", "--prompts", str(prompts), "--config", str(config), "--prime", "4", "--methods", "plain",
                  "--out", str(tmp_path / "none")]) == 2  # nothing left to time
+
+
+def test_cli_bench_sampled(tmp_path: Path, tiny_config: EngineConfig, capsys: pytest.CaptureFixture[str]) -> None:
+    """--temperature: every method samples with one seed per prompt; a rerun draws the same tokens;
+    no token-wise losslessness is claimed; greedy-only peers and levels are refused by name."""
+    from router.cli import main
+
+    config = tmp_path / "engine.yaml"
+    config.write_text(yaml.safe_dump(tiny_config.model_dump(mode="json")))
+    prompts = write_questions(tmp_path / "q.jsonl")
+    common = ["bench", "--prompts", str(prompts), "--per-category", "2", "--max-tokens", "12", "--config", str(config),
+              "--warmup", "0", "--no-verify-curve", "--methods", "plain,self,router,hf"]
+    runs = {}
+    for name, extra in (("a", ["--temperature", "1.0", "--seed", "7"]), ("b", ["--temperature", "1.0", "--seed", "7"]),
+                        ("c", ["--temperature", "1.0", "--seed", "8"]), ("greedy", [])):
+        assert main([*common, *extra, "--out", str(tmp_path / name)]) == 0
+        runs[name] = json.loads((tmp_path / name / "results.json").read_text())
+    sampled = runs["a"]
+    assert sampled["sampling"] == {"temperature": 1.0, "top_p": 1.0, "seed": 7}
+    assert runs["greedy"]["sampling"]["temperature"] == 0.0
+
+    def tokens(results: dict) -> dict:
+        return {(r["question_id"], r["method"]): r["token_ids"] for r in results["runs"]}
+
+    assert tokens(runs["a"]) == tokens(runs["b"])  # seeded: the run repeats exactly, the router's draws too
+    assert tokens(runs["a"]) != tokens(runs["c"])
+    # sampled, not greedy: the random tiny target's samples leave its argmax path
+    assert any(tokens(runs["a"])[key] != ids for key, ids in tokens(runs["greedy"]).items() if key[1] == "plain")
+    # the target drafting for itself accepts every draft under sampling too (p = q)
+    self_runs = [r for r in sampled["runs"] if r["method"] == "self"]
+    assert sum(r["num_accepted_tokens"] for r in self_runs) == sum(r["num_draft_tokens"] for r in self_runs) > 0
+    assert all(s["lossless"] is None for s in sampled["summary"][OVERALL].values()) and sampled["mismatches"] == []
+    report = (tmp_path / "a" / "report.md").read_text()
+    assert "sampled at temperature 1" in report and "| n/a |" in report and "this run sampled" in report
+
+    assert main([*common[:-1], "plain,llama-cpp", "--temperature", "0.7", "--out", str(tmp_path / "bad")]) == 2
+    assert "'llama-cpp' runs greedy only" in capsys.readouterr().err
+    assert main([*common[:-1], "plain", "--temperature", "0.7", "--concurrency", "2", "--out", str(tmp_path / "bad")]) == 2
+    assert "--concurrency runs greedy" in capsys.readouterr().err
+    assert main([*common, "--temperature", "-1", "--out", str(tmp_path / "bad")]) == 2
+    assert "temperature" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
 
 
 def test_bad_methods_and_categories(tmp_path: Path) -> None:

