@@ -97,6 +97,7 @@ class StepController:
         self._prior = {name: _request_prior(est) for name, est in plan.estimates.items()}
         self._local = {name: _Local() for name in self._prior}
         self._estimates: dict[str, Acceptance] = {}  # of this step: observations clear it
+        self._ranked: list[ArmValue] | None = None  # likewise
         self._disabled: set[str] = set()
         self.current = StepChoice(plan.drafter, plan.draft_len, plan.reason, plan.predicted_speedup)
         self.plain = plan.drafter == PLAIN
@@ -116,6 +117,7 @@ class StepController:
             if name in self._prior:
                 self._prior[name] = _request_prior(est)
         self._estimates.clear()
+        self._ranked = None
 
     def knows(self, drafter: str) -> bool:
         """Whether this request has an acceptance estimate for `drafter` (its plan's candidates)."""
@@ -127,7 +129,12 @@ class StepController:
         return self._estimates[drafter]
 
     def ranked(self) -> list[ArmValue]:
-        """Every usable drafter at its best k, best first."""
+        """Every usable drafter at its best k, best first (computed once between observations)."""
+        if self._ranked is None:
+            self._ranked = self._rank()
+        return self._ranked
+
+    def _rank(self) -> list[ArmValue]:
         arms = []
         for name in self._prior:
             if name in self._disabled:
@@ -221,15 +228,18 @@ class StepController:
             chosen = drafter
         if chosen != PLAIN and drafter != chosen and chosen not in self._disabled:
             self._disabled.add(chosen)
+            self._ranked = None
             self.fallbacks.append(DRAFTER_ERROR)
         if drafter in self._local:
             self._local[drafter].add(0, num_proposed, num_accepted)
             self._estimates.pop(drafter, None)
+            self._ranked = None
 
     def observe_shadow(self, drafter: str, start: int, num_proposed: int, num_accepted: int) -> None:
         if drafter in self._local:
             self._local[drafter].add(start, num_proposed, num_accepted)
             self._estimates.pop(drafter, None)
+            self._ranked = None
 
 
 def _request_prior(estimate: Acceptance) -> Acceptance:

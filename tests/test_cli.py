@@ -126,7 +126,7 @@ def test_generate_auto_routes_and_reports_the_decision(plain_json: dict) -> None
     out = generate_json()  # --drafter auto is the default
     assert out["token_ids"] == plain_json["token_ids"]  # routing never changes greedy output
     assert out["domain"] in ("chat", "code", "math", "rag", "summarization", "translation")
-    assert out["policy_version"] == "default-4" and out["reason"] in ("best", "explore", "fallback")
+    assert out["policy_version"] == "default-5" and out["reason"] in ("best", "explore", "fallback")
     assert sum(steps for _, _, steps in out["schedule"]) == out["num_steps"]
     assert {drafter for drafter, _, _ in out["schedule"]} <= {"ngram", "none"}
 

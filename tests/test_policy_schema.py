@@ -62,8 +62,9 @@ def test_shipped_default_policy_validates() -> None:
         assert {"ngram", "suffix", PLAIN} <= set(dp.drafters) <= shipped | {PLAIN}, name
         assert all(0.0 <= p <= 1.0 for p in dp.priors.values()) and set(dp.priors) == set(dp.drafters) - {PLAIN}
         assert dp.k_max == 10
-        # the trained drafters draft where they pay (chat, code, math), the cheap drafters first
-        assert dp.cheap_first == bool(set(dp.drafters) - {"ngram", "suffix", PLAIN})
+        # every domain asks its cheap drafters first: in the copy domains prompt lookup and suffix
+        # in turn, where the trained drafters draft (chat, code, math) before them
+        assert dp.cheap_first
     # copying tasks accept more than open chat
     assert policy.domains["translation"].priors["ngram"] > policy.domains["chat"].priors["ngram"]
     assert check_policy_drafters(policy, shipped).ignored == ()
