@@ -9,21 +9,27 @@ bfloat16; norms, attention and the residual stream stay float32, as for int4.
 Rounding each product's input to bfloat16 magnifies float32 differences, so the model runs
 row-invariant (workers/models/llama.py, invariant_min_queries), and so must the products: a
 row's result may not depend on how many rows share its call. oneDNN picks its kernel by the
-call's shape, and past some row count a different blocking of the reduction changes the
-rounding (seen at 48 rows of [3072, 576] with a weight packed for 256 rows). So each weight
-shape is probed once per process: the largest row count up to which every count computes a
-row bit for bit alike (`invariant_rows`), and calls never exceed it.
+call's shape, and both ends of the row range can change the reduction's order: past some row
+count a different blocking (48 rows of [3072, 576] with a weight packed for 256 rows, Intel AMX),
+and at one row a kernel that splits a long reduction between the threads ([576, 1536] on an AMD
+EPYC with AVX512-BF16: one row differs from two in ~2e-4 of the outputs, which bfloat16 output
+rounding hides from most probes). So each weight shape is probed once per process for the row
+counts that compute a row bit for bit alike (`invariant_rows`); smaller calls are padded up to
+that range and larger ones split to fit it.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
 from workers.models.cpu import cpu_bfloat16_pays
 
 _MAX_CALL_ROWS = 128  # the largest call probed; more rows run as several calls
+_MAX_MIN_ROWS = 4  # a call is padded to at most this many rows
+_THOROUGH_ROWS = 8  # row counts probed over every row of the probe, not its first rows only
 _PACK_ROWS_HINT = 1  # oneDNN's packing for this many rows: decode steps are its common case
 
 
@@ -47,28 +53,55 @@ def _linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
+@dataclass(frozen=True)
+class CallRows:
+    """The row counts of a product's calls that compute each row bit for bit alike."""
+
+    min_rows: int  # fewer rows are padded up to this many
+    max_rows: int  # more rows run as several calls of at most this many
+
+
 @functools.cache
-def invariant_rows(out_features: int, in_features: int) -> int:
-    """The largest n <= _MAX_CALL_ROWS such that a call of any 1..n rows computes each row bit for
-    bit as a call of that row alone does, whatever its place (probed on random data: a different
-    reduction order shows as a different rounding of almost every row)."""
+def invariant_rows(out_features: int, in_features: int) -> CallRows:
+    """Probed on random data, where a different reduction order shows as a different rounding of
+    a few outputs in 10^4 or more. `min_rows`: the smallest count m <= _MAX_MIN_ROWS whose calls
+    compute every probe row as calls of m + 1 rows do; `max_rows`: the largest count n such that
+    every count from m to n computes like m, checked over every probe row up to _THOROUGH_ROWS
+    rows (small calls hold few outputs, so a prefix would miss a rare difference) and over the
+    call's own rows beyond."""
     g = torch.Generator().manual_seed(0)
     packed = _pack(torch.randn(out_features, in_features, generator=g) * 0.05)
     x = torch.randn(_MAX_CALL_ROWS, in_features, generator=g).to(torch.bfloat16)
-    alone = torch.cat([_linear(x[i : i + 1], packed) for i in range(_MAX_CALL_ROWS)])
-    for n in range(2, _MAX_CALL_ROWS + 1):
-        if not torch.equal(_linear(x[:n], packed), alone[:n]):
-            return n - 1
-    return _MAX_CALL_ROWS
+
+    def in_calls_of(n: int) -> torch.Tensor:
+        return torch.cat([_linear(part, packed) for part in x.split(n)])
+
+    by_count = {1: in_calls_of(1)}
+    min_rows = _MAX_MIN_ROWS
+    for m in range(1, _MAX_MIN_ROWS):
+        by_count[m + 1] = in_calls_of(m + 1)
+        if torch.equal(by_count[m], by_count[m + 1]):
+            min_rows = m
+            break
+    ref = by_count[min_rows]
+    for n in range(min_rows + 1, _MAX_CALL_ROWS + 1):
+        if n <= _THOROUGH_ROWS:
+            same = torch.equal(by_count[n] if n in by_count else in_calls_of(n), ref)
+        else:
+            same = torch.equal(_linear(x[:n], packed), ref[:n])
+        if not same:
+            return CallRows(min_rows, n - 1)
+    return CallRows(min_rows, _MAX_CALL_ROWS)
 
 
 class Bf16Linear:
-    """y = x @ W.T in bfloat16 through oneDNN's packed weight, in calls of at most
-    `invariant_rows` rows; y is bfloat16 (the float32 ops after it read it exactly)."""
+    """y = x @ W.T in bfloat16 through oneDNN's packed weight, in calls whose row counts compute
+    alike (`invariant_rows`: padded up, split down); y is bfloat16 (the float32 ops after it read
+    it exactly)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.packed = _pack(weight)
-        self.max_rows = invariant_rows(*weight.shape)
+        self.rows = invariant_rows(*weight.shape)
 
     @property
     def nbytes(self) -> int:
@@ -78,6 +111,13 @@ class Bf16Linear:
     def __call__(self, x: torch.Tensor, num_scored: int | None = None) -> torch.Tensor:
         """`num_scored` does not matter here: prompt rows and scored rows compute alike."""
         xb = x.to(torch.bfloat16)
-        if xb.shape[0] <= self.max_rows:
+        if self.rows.min_rows <= xb.shape[0] <= self.rows.max_rows:
             return _linear(xb, self.packed)
-        return torch.cat([_linear(part, self.packed) for part in xb.split(self.max_rows)])
+        return torch.cat([self._call(part) for part in xb.split(self.rows.max_rows)])
+
+    def _call(self, xb: torch.Tensor) -> torch.Tensor:
+        num_rows = xb.shape[0]
+        if num_rows >= self.rows.min_rows:
+            return _linear(xb, self.packed)
+        padded = torch.cat([xb, xb.new_zeros(self.rows.min_rows - num_rows, xb.shape[1])])
+        return _linear(padded, self.packed)[:num_rows]
