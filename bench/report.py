@@ -171,8 +171,8 @@ def write_report(results: dict, out: Path) -> list[Path]:
     num_prompts = len({r["question_id"] for r in results["runs"]})
     lines = [
         "# SpecRoute benchmark", "",
-        f"Target `{results['target']}` on {results['device']}; {num_prompts} prompts; {sampling_text(results)}, at most "
-        f"{results['max_tokens']} new tokens; methods interleaved prompt by prompt after a warm-up.", "",
+        f"Target `{results['target']}` on {results['device']}; {num_prompts} prompts; {sampling_text(results)}, "
+        f"at most {results['max_tokens']} new tokens; methods interleaved prompt by prompt after a warm-up.", "",
         "## Speedup by category", "",
         "Speedup = the method's tokens per second / plain decoding's, over the same prompts: plain's total "
         "wall time / the method's wherever the method emits plain's tokens (Spec-Bench's definition). "
