@@ -117,11 +117,12 @@ class Bf16Linear:
     def __call__(self, x: torch.Tensor, num_scored: int | None = None) -> torch.Tensor:
         """`num_scored` does not matter here: prompt rows and scored rows compute alike."""
         xb = x.to(torch.bfloat16)
-        if self.rows.min_rows <= xb.shape[0] <= self.rows.max_rows:
-            return _linear(xb, self.packed)
+        if xb.shape[0] <= self.rows.max_rows:
+            return self._call(xb)
         return torch.cat([self._call(part) for part in xb.split(self.rows.max_rows)])
 
     def _call(self, xb: torch.Tensor) -> torch.Tensor:
+        """One call of at most max_rows rows, padded up to min_rows."""
         num_rows = xb.shape[0]
         if num_rows >= self.rows.min_rows:
             return _linear(xb, self.packed)
