@@ -13,6 +13,7 @@ from helpers import compact_prompts, compact_target_engine, decode_three_ways, l
 from bench.verify_cost import weight_bytes
 from workers.config import TargetConfig
 from workers.engine import SpecEngine
+from workers.models import cpu
 from workers.models.bf16 import Bf16Linear, CallRows, bfloat16_available, bfloat16_fast
 from workers.models.llama import Linear
 from workers.models.quant import Int4Linear
@@ -62,6 +63,23 @@ def test_weights_auto_takes_the_files_int4_blocks_and_bfloat16_needs_the_fast_ba
     assert isinstance(tiny.layers[0].qkv, expected) and isinstance(tiny.lm_head, expected)
     with pytest.raises(ModelLoadError, match="weights 'bfloat16' runs on the fast backend only"):
         load_model(TargetConfig(model=str(tiny_llama_dir), weights="bfloat16", backend="hf"))
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ({"avx512_bf16": True, "amx_tile": False, "avx512": True, "avx2": True}, True),
+    ({"avx512_bf16": False, "amx_tile": True, "avx512": True, "avx2": True}, True),
+    ({"avx512_bf16": False, "amx_tile": False, "avx512": False, "avx2": True}, False),
+    ({"avx512_bf16": False, "amx_tile": False, "avx512": True, "avx2": True}, "timed"),  # AVX-512 without BF16
+    ({"avx512_bf16": False, "amx_tile": False, "avx512": False, "avx2": False}, "timed"),  # not x86
+])
+def test_the_cpus_flags_decide_whether_bfloat16_pays_and_a_timing_only_where_they_cannot(
+    monkeypatch: pytest.MonkeyPatch, flags: dict[str, bool], expected: bool | str,
+) -> None:
+    """A timing misreads a busy CPU, so it never overrides the flags."""
+    for flag, value in flags.items():
+        monkeypatch.setattr(torch.cpu, f"_is_{flag}_supported", lambda value=value: value)
+    monkeypatch.setattr(cpu, "_bfloat16_timed_near_float32", lambda: "timed")
+    assert cpu.cpu_bfloat16_pays.__wrapped__() == expected
 
 
 @pytest.fixture(scope="module")
