@@ -1,5 +1,5 @@
-"""LookaheadDrafter (Lookahead decoding): the window's tree and its Jacobi update, the n-gram pool,
-losslessness on an engine (greedy alone and in a batch, sampled against the target's joint
+"""LookaheadDrafter (Lookahead decoding): the window's tree and its Jacobi update, the n-gram pool
+(from the prompt and from a suffix drafter's memory of served traffic), losslessness on an engine (greedy alone and in a batch, sampled against the target's joint
 distribution), the router's pricing of its rows."""
 
 from __future__ import annotations
@@ -9,16 +9,18 @@ import torch
 from helpers import TWO_TOKEN_PARAMS, TwoTokenCase, assert_follows_joint, assert_same_or_tie
 from pydantic import ValidationError
 
-from workers.config import LookaheadDrafterConfig
+from workers.config import EngineConfig, LookaheadDrafterConfig, NgramDrafterConfig, SuffixDrafterConfig, TreeConfig
 from workers.drafters.base import DraftContext
 from workers.drafters.lookahead import LookaheadDrafter, LookaheadState, NgramPool
+from workers.drafters.suffix import SuffixDrafter
 from workers.sampling import SamplingParams, make_generator
 
 VOCAB = 50
 
 
-def ctx(ids: list[int]) -> DraftContext:
-    return DraftContext(list(ids), SamplingParams(), make_generator(0), max_len=len(ids) + 64, num_prompt=len(ids))
+def ctx(ids: list[int], domain: str | None = None) -> DraftContext:
+    return DraftContext(list(ids), SamplingParams(), make_generator(0), max_len=len(ids) + 64, num_prompt=len(ids),
+                        domain=domain)
 
 
 def logits_for(tokens: list[int]) -> torch.Tensor:
@@ -79,6 +81,29 @@ def test_pool_from_prompt() -> None:
     assert state.pool.after(4) == [(7, 8), (5, 6)]
 
 
+@pytest.mark.parametrize("tree", [None, TreeConfig(topk=2, nodes=4)], ids=["chain", "tree"])
+def test_pool_from_traffic_guesses_what_the_domain_served_first(tree: TreeConfig | None) -> None:
+    suffix = SuffixDrafter(SuffixDrafterConfig(tree=tree))
+    suffix.caches.add("sql", [40, 41, 42, 43, 44])
+    drafter = LookaheadDrafter(LookaheadDrafterConfig(window=1, ngram=3, guesses=2, pool_from_prompt=False), suffix)
+    c = ctx([7, 40, 41], domain="sql")
+    state = drafter.begin(c)
+    state.pool.add(41, (9, 9))  # a Jacobi n-gram: guessed after the traffic's
+    draft = drafter.propose(state, c, 2)
+    assert list(zip(draft.token_ids.tolist(), draft.tree.parents))[:4] == [(42, -1), (43, 0), (9, -1), (9, 2)]
+    # another domain's request finds nothing of it
+    other = ctx([7, 40, 41], domain="chat")
+    assert 42 not in drafter.propose(drafter.begin(other), other, 2).token_ids.tolist()
+
+
+def test_pool_from_traffic_must_name_a_suffix_drafter() -> None:
+    lookahead = LookaheadDrafterConfig(pool_from_traffic="suffix")
+    assert EngineConfig(drafters=[SuffixDrafterConfig(), lookahead]).drafters[1] == lookahead
+    for drafters in ([lookahead], [NgramDrafterConfig(name="suffix"), lookahead]):
+        with pytest.raises(ValidationError, match="pool_from_traffic 'suffix' names no suffix drafter"):
+            EngineConfig(drafters=drafters)
+
+
 def test_config_is_checked() -> None:
     with pytest.raises(ValidationError, match="ngram"):
         LookaheadDrafterConfig(ngram=1)
@@ -128,6 +153,23 @@ def test_guesses_the_target_agrees_with_are_accepted(tiny_config) -> None:
     result = engine.generate(prompt, params, "lookahead", 3)
     assert result.token_ids == plain
     assert result.num_accepted_tokens >= len(plain) // 2 and result.accepted_per_position[2] > 0
+
+
+def test_guesses_from_traffic_are_accepted_and_the_output_stays_plain(tiny_config) -> None:
+    """A domain's second request of the same prompt: the suffix memory holds the first's output,
+    so the guesses follow it; greedy output is plain output either way."""
+    drafters = [*tiny_config.drafters, SuffixDrafterConfig(),
+                LookaheadDrafterConfig(window=1, ngram=4, guesses=1, pool_from_prompt=False, pool_from_traffic="suffix")]
+    from workers.engine import SpecEngine
+
+    engine = SpecEngine.from_config(tiny_config.model_copy(update={"drafters": drafters}))
+    assert engine.drafters["lookahead"].traffic is engine.drafters["suffix"]
+    prompt, params = engine.encode("Tell me a story about a cat."), SamplingParams(max_tokens=40)
+    plain = engine.generate(prompt, params).token_ids
+    first = engine.generate(prompt, params, "lookahead", 3, domain="story")
+    second = engine.generate(prompt, params, "lookahead", 3, domain="story")
+    assert first.token_ids == second.token_ids == plain
+    assert second.num_accepted_tokens >= len(plain) // 2 > first.num_accepted_tokens
 
 
 def test_batched_with_other_drafters_stays_plain(tiny_config) -> None:

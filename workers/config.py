@@ -164,6 +164,9 @@ class LookaheadDrafterConfig(_Strict):
     ngram: int = Field(3, ge=2, le=8, description="N: the n-grams the branch collects (N - 1 Jacobi levels kept)")
     guesses: int = Field(2, ge=0, le=32, description="G: n-grams verified per step (and kept per first token)")
     pool_from_prompt: bool = Field(True, description="also fill the pool with the prompt's own n-grams")
+    pool_from_traffic: str | None = Field(
+        None, description="a suffix drafter's name: each step also guesses its likeliest continuation, read from "
+                          "the outputs the request's domain served and the request's own context (null: none)")
     draft_len: int = Field(2, ge=1, description="static k: tokens of each guessed n-gram verified (at most N - 1)")
 
     def size(self, depth: int) -> int:
@@ -258,6 +261,11 @@ class EngineConfig(_Strict):
             raise ValueError(f"drafter names must be unique, got {names}")
         if reserved := {PLAIN, "auto", "plain"} & set(names):
             raise ValueError(f"drafter names {sorted(reserved)} are reserved")
+        suffixes = {d.name for d in self.drafters if isinstance(d, SuffixDrafterConfig)}
+        for d in self.drafters:
+            if isinstance(d, LookaheadDrafterConfig) and d.pool_from_traffic not in (None, *suffixes):
+                raise ValueError(f"drafter {d.name!r}: pool_from_traffic {d.pool_from_traffic!r} names no suffix "
+                                 f"drafter of this engine (suffix drafters: {sorted(suffixes) or 'none'})")
         return self
 
 

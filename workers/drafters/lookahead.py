@@ -14,8 +14,13 @@ merged where they share a prefix; the engine verifies the whole tree, losslessly
 sampled requests alike (any root path the target agrees with is kept, guesses or window), and
 hands this drafter the logits at every node (`read_logits`).
 
+The pool starts from the prompt's n-grams (`pool_from_prompt`) and, with `pool_from_traffic`, each
+step also guesses a suffix drafter's likeliest continuation: what the request's domain served
+before (workers/drafters/suffix.py), which the Jacobi window cannot know.
+
 No model and no training, but every window and guess token is a target row: it pays where rows are
-nearly free (a GPU at small batch) and rarely on a CPU, where the router then does not choose it.
+nearly free (a GPU at small batch, a CPU whose products cost little more for a few rows), and
+where they are not the router does not choose it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 
 from workers.config import LookaheadDrafterConfig
 from workers.drafters.base import Draft, DraftContext
+from workers.drafters.suffix import SuffixDrafter, SuffixState
 from workers.tree import DraftTree
 
 
@@ -58,6 +64,7 @@ class LookaheadState:
     levels: list[list[int]]  # the window's levels, oldest first; fewer than N - 1 while it fills
     pool: NgramPool
     columns: list[int] = field(default_factory=list)  # the last draft's node at the top of each column
+    traffic: SuffixState | None = None  # the pool_from_traffic drafter's state for this request
 
 
 class LookaheadDrafter:
@@ -66,9 +73,11 @@ class LookaheadDrafter:
     # it cannot be scored on steps it does not run
     cheap: ClassVar[bool] = False
 
-    def __init__(self, config: LookaheadDrafterConfig) -> None:
+    def __init__(self, config: LookaheadDrafterConfig, traffic: SuffixDrafter | None = None) -> None:
+        """`traffic`: the suffix drafter `config.pool_from_traffic` names."""
         self.config = config
         self.name = config.name
+        self.traffic = traffic
 
     def begin(self, ctx: DraftContext) -> LookaheadState:
         c = self.config
@@ -80,10 +89,14 @@ class LookaheadDrafter:
         # the first level starts as tokens of the context (LookaheadDecoding's initialisation),
         # drawn by a generator of its own: the request's generator belongs to its sampling
         rng = random.Random(len(ctx.token_ids))
-        return LookaheadState([rng.choices(ctx.token_ids, k=c.window)], pool)
+        traffic = self.traffic.begin(ctx) if self.traffic is not None else None
+        return LookaheadState([rng.choices(ctx.token_ids, k=c.window)], pool, traffic=traffic)
 
     def propose(self, state: LookaheadState, ctx: DraftContext, k: int) -> Draft:
         root = ctx.token_ids[-1]
+        if self.traffic is not None and state.traffic is not None:  # the latest guess: tried first
+            if guess := self.traffic.continuation(state.traffic, ctx, self.config.ngram - 1):
+                state.pool.add(root, tuple(guess))
         tokens: list[int] = []
         parents: list[int] = []
         nodes: dict[tuple[int, int], int] = {}  # (parent node, token) -> node: shared prefixes merge

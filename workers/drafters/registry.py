@@ -99,11 +99,12 @@ def _build_medusa_drafter(config: MedusaDrafterConfig, target: LoadedModel) -> M
 
 def build_drafter(
     config: DrafterConfig, target: LoadedModel, service: DraftService | None = None, max_num_seqs: int = 1,
-    max_model_len: int | None = None,
+    max_model_len: int | None = None, built: Mapping[str, Drafter] | None = None,
 ) -> Drafter:
     """`service`: where a drafter with its own deployment runs (None: build it here, colocated);
     `max_num_seqs`: the requests that may draft at once (the scheduler's); `max_model_len`: the
-    target's context limit, when configured."""
+    target's context limit, when configured; `built`: the engine's drafters built so far (a
+    lookahead drafter's pool_from_traffic is one of them)."""
     if getattr(config, "tree", None) is not None and not target.model.supports_tree:
         raise ModelLoadError(f"drafter {config.name!r}: draft trees need the fast Llama backend "
                              "(target backend: fast or auto)")
@@ -111,7 +112,11 @@ def build_drafter(
         if not target.model.supports_tree:
             raise ModelLoadError(f"drafter {config.name!r}: lookahead decoding runs its window as a draft tree, "
                                  "which needs the fast Llama backend (target backend: fast or auto)")
-        return LookaheadDrafter(config)
+        traffic = (built or {}).get(config.pool_from_traffic) if config.pool_from_traffic is not None else None
+        if config.pool_from_traffic is not None and not isinstance(traffic, SuffixDrafter):
+            raise ModelLoadError(f"drafter {config.name!r}: pool_from_traffic {config.pool_from_traffic!r} is not a "
+                                 "suffix drafter of this engine")
+        return LookaheadDrafter(config, traffic)
     if isinstance(config, NgramDrafterConfig):
         return NgramDrafter(config)
     if isinstance(config, SuffixDrafterConfig):
@@ -133,4 +138,8 @@ def build_drafters(
     max_num_seqs: int = 1, max_model_len: int | None = None,
 ) -> dict[str, Drafter]:
     services = services or {}
-    return {c.name: build_drafter(c, target, services.get(c.name), max_num_seqs, max_model_len) for c in configs}
+    built: dict[str, Drafter] = {}
+    # lookahead drafters last: one may read a suffix drafter's memory (pool_from_traffic)
+    for c in sorted(configs, key=lambda c: isinstance(c, LookaheadDrafterConfig)):
+        built[c.name] = build_drafter(c, target, services.get(c.name), max_num_seqs, max_model_len, built)
+    return {c.name: built[c.name] for c in configs}

@@ -129,23 +129,31 @@ class SuffixDrafter:
         return SuffixState(TokenIndex(self.config.min_n, self.config.max_n))
 
     def propose(self, state: SuffixState, ctx: DraftContext, k: int) -> Draft:
-        cfg, ids = self.config, ctx.token_ids
-        state.own.extend(ids[state.own.end :])
-        matches = state.own.matches(ids, cfg.max_depth, cfg.max_occurrences)
-        with self.caches.lock:
-            if ctx.domain is not None and (past := self.caches.domains.get(ctx.domain)) is not None:
-                matches += past.matches(ids, cfg.max_depth, cfg.max_occurrences)
-            best = self._best(matches, k)
+        tree = self.config.tree
+        best = self._proposal(state, ctx, k, *((1, None) if tree is None else (tree.topk, tree.nodes)))
         if not best.token_ids:
             return Draft(state.empty)
         ids = torch.tensor(best.token_ids, dtype=torch.long)
-        return Draft(ids) if cfg.tree is None else Draft(ids, tree=DraftTree(best.parents))
+        return Draft(ids) if tree is None else Draft(ids, tree=DraftTree(best.parents))
 
-    def _best(self, matches: list[Match], k: int) -> Proposal:
+    def continuation(self, state: SuffixState, ctx: DraftContext, k: int) -> list[int]:
+        """The likeliest chain of at most k tokens, whatever `tree` says (what lookahead decoding
+        guesses from this drafter's memory)."""
+        return self._proposal(state, ctx, k, 1, None).token_ids
+
+    def _proposal(self, state: SuffixState, ctx: DraftContext, k: int, topk: int, num_nodes: int | None) -> Proposal:
+        cfg, ids = self.config, ctx.token_ids
+        state.own.extend(ids[state.own.end :])
+        matches = state.own.matches(ids, cfg.max_depth, cfg.max_occurrences)
+        with self.caches.lock:  # a past output's tokens are read until the proposal is grown
+            if ctx.domain is not None and (past := self.caches.domains.get(ctx.domain)) is not None:
+                matches += past.matches(ids, cfg.max_depth, cfg.max_occurrences)
+            return self._best(matches, k, topk, num_nodes)
+
+    def _best(self, matches: list[Match], k: int, topk: int, num_nodes: int | None) -> Proposal:
         """The continuation of the longest match, read from every occurrence at least that long
         (the request's own first); when it proposes nothing, of the next longest."""
         cfg = self.config
-        topk, num_nodes = (1, None) if cfg.tree is None else (cfg.tree.topk, cfg.tree.nodes)
         for length in sorted({m.length for m in matches}, reverse=True)[:MAX_MATCH_LENGTHS]:
             depth = min(k, int(cfg.max_spec_factor * length + cfg.max_spec_offset))
             proposal = grow([m for m in matches if m.length >= length], depth, cfg.min_token_prob, topk, num_nodes)
