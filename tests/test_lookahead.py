@@ -1,6 +1,7 @@
 """LookaheadDrafter (Lookahead decoding): the window's tree and its Jacobi update, the n-gram pool
-(from the prompt and from a suffix drafter's memory of served traffic), losslessness on an engine (greedy alone and in a batch, sampled against the target's joint
-distribution), the router's pricing of its rows."""
+(from the prompt and from a suffix drafter's memory of served traffic), losslessness on an engine
+(greedy alone and in a batch, sampled against the target's joint distribution), the router's
+pricing of its rows."""
 
 from __future__ import annotations
 
@@ -158,8 +159,8 @@ def test_guesses_the_target_agrees_with_are_accepted(tiny_config) -> None:
 def test_guesses_from_traffic_are_accepted_and_the_output_stays_plain(tiny_config) -> None:
     """A domain's second request of the same prompt: the suffix memory holds the first's output,
     so the guesses follow it; greedy output is plain output either way."""
-    drafters = [*tiny_config.drafters, SuffixDrafterConfig(),
-                LookaheadDrafterConfig(window=1, ngram=4, guesses=1, pool_from_prompt=False, pool_from_traffic="suffix")]
+    lookahead = LookaheadDrafterConfig(window=1, ngram=4, guesses=1, pool_from_prompt=False, pool_from_traffic="suffix")
+    drafters = [*tiny_config.drafters, SuffixDrafterConfig(), lookahead]
     from workers.engine import SpecEngine
 
     engine = SpecEngine.from_config(tiny_config.model_copy(update={"drafters": drafters}))
