@@ -112,10 +112,12 @@ def build_drafter(
         if not target.model.supports_tree:
             raise ModelLoadError(f"drafter {config.name!r}: lookahead decoding runs its window as a draft tree, "
                                  "which needs the fast Llama backend (target backend: fast or auto)")
-        traffic = (built or {}).get(config.pool_from_traffic) if config.pool_from_traffic is not None else None
-        if config.pool_from_traffic is not None and not isinstance(traffic, SuffixDrafter):
-            raise ModelLoadError(f"drafter {config.name!r}: pool_from_traffic {config.pool_from_traffic!r} is not a "
-                                 "suffix drafter of this engine")
+        traffic = None
+        if config.pool_from_traffic is not None:
+            traffic = (built or {}).get(config.pool_from_traffic)
+            if not isinstance(traffic, SuffixDrafter):
+                raise ModelLoadError(f"drafter {config.name!r}: pool_from_traffic {config.pool_from_traffic!r} is "
+                                     "not a suffix drafter of this engine")
         return LookaheadDrafter(config, traffic)
     if isinstance(config, NgramDrafterConfig):
         return NgramDrafter(config)
