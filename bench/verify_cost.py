@@ -13,17 +13,12 @@ from collections.abc import Sequence
 
 import torch
 
-from workers.models.base import CausalLM
+from workers.models.base import CausalLM, synchronize
 from workers.models.llama import FastLlama, Product
 
 DEFAULT_KS = range(0, 17)
 DEFAULT_REPS = 5
 BANDWIDTH_BYTES = 1 << 30  # far larger than any cache, so the copy measures memory
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def weight_bytes(model: CausalLM) -> int:
@@ -55,10 +50,10 @@ def measure_bandwidth(
     dst.copy_(src)  # first touch of dst: page faults are not bandwidth
     times = []
     for _ in range(reps):
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     # the fastest copy: interference from other processes only ever slows a copy down, and the
     # floor is about what the memory system can do
@@ -80,10 +75,10 @@ def measure_verify_curve(
     samples: dict[int, list[float]] = {k: [] for k in ks}
     for rep in range(reps + 1):  # rep 0 warms up every shape
         for k in ks:
-            _sync(model.device)
+            synchronize(model.device)
             t0 = time.perf_counter()
             model.forward(ids[context_len : context_len + 1 + k], cache)
-            _sync(model.device)
+            synchronize(model.device)
             if rep:
                 samples[k].append(time.perf_counter() - t0)
             cache.truncate(context_len)

@@ -5,6 +5,7 @@ batch in one call; failure isolation."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +228,25 @@ def test_a_removed_request_frees_its_slot_for_a_waiting_one(engine: SpecEngine, 
     assert gens[4] in batch.running and len(batch.running) == 4
     run_batch(batch, gens[1:], {g: StepOrder() for g in gens})
     assert batch.pool is not None and batch.pool.num_free == batch.pool.num_slots
+
+
+def test_a_step_times_the_forward_until_the_device_finishes(
+    engine: SpecEngine, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GPU forward returns before it runs: the step's seconds (what the goodput rule prices the
+    next steps by) must include the wait for the device. A stand-in wait of 20 ms is counted."""
+    waits: list[torch.device] = []
+
+    def slow_sync(device: torch.device) -> None:
+        waits.append(device)
+        time.sleep(0.02)
+
+    monkeypatch.setattr("workers.batch.synchronize", slow_sync)
+    batch = BatchEngine(engine)
+    gen = batch.add(prompts[0], greedy(4))
+    step = batch.step({g: StepOrder() for g in batch.schedule()})
+    gen.close()
+    assert waits == [engine.target.model.device] and step.forward_s >= 0.02
 
 
 # -- drafting in batch ----------------------------------------------------------------------------

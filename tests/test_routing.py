@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from test_engine import with_drafters
 
@@ -266,6 +268,21 @@ def test_measure_costs(tiny_engine: SpecEngine) -> None:
     # probe's prompt, so it stays unpriced (0) until live steps measure it
     assert {"self", "other"} <= set(costs.draft_s_per_token) and "ngram" not in costs.draft_s_per_token
     assert all(t > 0 for t in costs.draft_s_per_token.values())
+
+
+def test_measured_costs_wait_for_the_device(tiny_engine: SpecEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each timed forward waits for the device before the clock is read (a GPU forward returns at
+    launch): a stand-in wait of 10 ms shows in every verify cost."""
+    waits: list[torch.device] = []
+
+    def slow_sync(device: torch.device) -> None:
+        waits.append(device)
+        time.sleep(0.01)
+
+    monkeypatch.setattr("workers.routing.synchronize", slow_sync)
+    costs = measure_costs(tiny_engine, context_len=16, repeats=1)
+    assert len(waits) == 2 * len(costs.verify_s)  # a warm-up round and one timed round
+    assert min(costs.verify_s) >= 0.01
 
 
 def test_a_tree_drafter_is_priced_by_the_tokens_it_verifies(tiny_engine: SpecEngine) -> None:

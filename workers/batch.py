@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from workers.drafters.base import BatchDrafter
 from workers.engine import Generation, PreparedStep, SpecEngine, StepOrder, StepStats
-from workers.models.base import BatchedLM, ForwardOutput, SeqInput, forward_each
+from workers.models.base import BatchedLM, ForwardOutput, SeqInput, forward_each, synchronize
 from workers.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,8 @@ class BatchEngine:
         t0 = time.perf_counter()
         try:
             results = self._forward(inputs)
+            # the step's seconds price the next steps (the goodput rule): the work's, not its launch's
+            synchronize(self.engine.target.model.device)
         except Exception as e:  # the forward is shared: every request in it fails
             log.exception("batched forward failed")
             for gen in [g for g, _ in prepared] + [g for g, _ in chunks]:

@@ -33,6 +33,7 @@ from workers.batch import BatchEngine, BatchStep
 from workers.config import PLAIN, LookaheadDrafterConfig, RoutingConfig
 from workers.drafters.remote import RemoteDrafter
 from workers.engine import Generation, SpecEngine, StepOrder
+from workers.models.base import synchronize
 from workers.result import GenerationResult, RequestError, RoutingReport, Segment, StepStats
 from workers.sampling import SamplingParams
 from workers.shadows import CheapDrafters
@@ -70,6 +71,7 @@ def measure_costs(engine: SpecEngine, context_len: int = 64, repeats: int = 3) -
         for k in range(max_k + 1):
             t0 = time.perf_counter()
             model.forward(ids[context_len : context_len + k + 1], cache)
+            synchronize(model.device)
             elapsed = time.perf_counter() - t0
             cache.truncate(context_len)
             best[k] = min(best[k], elapsed)
@@ -94,6 +96,7 @@ def measure_batch_cost(engine: SpecEngine, context_len: int = 64, repeats: int =
         for i, n in enumerate(rows):
             t0 = time.perf_counter()
             model.forward(ids[context_len : context_len + n], cache)
+            synchronize(model.device)
             best[i] = min(best[i], time.perf_counter() - t0)
             cache.truncate(context_len)
     return BatchCost(tuple(rows), tuple(best))

@@ -19,6 +19,13 @@ import torch
 from workers.tree import DraftTree
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work: a GPU forward returns before it runs, so a clock read
+    after it without this times the launch alone."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     vocab_size: int
