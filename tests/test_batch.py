@@ -247,6 +247,16 @@ def test_a_step_times_the_forward_until_the_device_finishes(
     step = batch.step({g: StepOrder() for g in batch.schedule()})
     gen.close()
     assert waits == [engine.target.model.device] and step.forward_s >= 0.02
+    # two requests drafting with one batch drafter: one call, its wait shared between them
+    batch = BatchEngine(engine)
+    gens = [batch.add(p, greedy(8)) for p in prompts[:2]]
+    drafted = []
+    while batch.num_unfinished and not drafted:
+        step = batch.step({g: StepOrder("other", 2) for g in batch.schedule()})
+        drafted = [st for _, st in step.stats if st.draft_len] if len(step.stats) == 2 else []
+    for g in gens:
+        g.close()
+    assert len(drafted) == 2 and min(st.draft_s for st in drafted) >= 0.01
 
 
 # -- drafting in batch ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ drafter that proposes plain decoding's own continuation with chosen mistakes, fa
 
 from __future__ import annotations
 
+import time
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, ClassVar
@@ -197,6 +198,27 @@ def test_greedy_identical_to_plain(engine: SpecEngine, prompts: list[list[int]],
         if drafter == "self":
             assert result.num_accepted_tokens == result.num_draft_tokens  # the target drafting itself
     assert drafted > 0  # every drafter really proposed on some prompt
+
+
+def test_timed_forwards_wait_for_the_device(
+    engine: SpecEngine, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GPU forward (or a drafter on the GPU) returns at launch: the prefill's, each draft's and
+    each verify's seconds are read after waiting for the device. A stand-in wait of 10 ms shows
+    in each."""
+    waits: list[torch.device] = []
+
+    def slow_sync(device: torch.device) -> None:
+        waits.append(device)
+        time.sleep(0.01)
+
+    monkeypatch.setattr("workers.engine.synchronize", slow_sync)
+    result = engine.generate(prompts[0], greedy(3), "ngram", 2)
+    drafted = [s for s in result.steps if s.draft_len]  # the last step's k is clipped to 0: no draft
+    assert drafted and set(waits) == {engine.target.model.device}
+    assert len(waits) == 1 + len(result.steps) + len(drafted)
+    assert result.prefill_s >= 0.01 and min(s.verify_s for s in result.steps) >= 0.01
+    assert min(s.draft_s for s in drafted) >= 0.01
 
 
 def test_perturbed_drafter_has_mixed_acceptance(engine: SpecEngine, prompts: list[list[int]]) -> None:

@@ -178,6 +178,7 @@ class BatchEngine:
             assert isinstance(drafter, BatchDrafter)
             try:
                 drafts = drafter.propose_batch([r for _, r in asked])
+                synchronize(self.engine.target.model.device)
             except Exception:
                 log.exception("drafter %r failed on a batch; its requests continue without it", name)
                 for gen, _ in asked:

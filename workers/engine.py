@@ -26,7 +26,7 @@ from workers.config import PLAIN, EngineConfig
 from workers.drafters.base import Draft, DraftContext, Drafter, DraftRequest, LogitsReader, TrafficLearner
 from workers.drafters.registry import build_drafters
 from workers.drafters.remote import DraftService
-from workers.models.base import ForwardOutput, KVCache
+from workers.models.base import ForwardOutput, KVCache, synchronize
 from workers.result import GenerationResult, RequestError, StepStats
 from workers.sampling import SamplingParams, make_generator, probs_from_logits
 from workers.target import LoadedModel, load_model
@@ -153,6 +153,7 @@ class Generation:
         prepared = self.prepare(order)
         t1 = time.perf_counter()
         out = self.model.forward(prepared.input_ids, self.cache, return_hidden=self.with_hidden, tree=prepared.tree)
+        synchronize(self.device)
         return self.complete(prepared, out, time.perf_counter() - t1)
 
     def clip(self, k: int) -> int:
@@ -211,6 +212,8 @@ class Generation:
                 drafter, fallback = PLAIN, "drafter_error"
         if draft is not None and draft.tree is None and draft.token_ids.shape[0] > k:
             draft = Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
+        if draft is not None:  # a drafter on the target's GPU returns at launch too
+            synchronize(self.device)
         draft_s = order.draft_s + time.perf_counter() - t0
         context_len = len(self.ctx.token_ids)
         draft_ids = draft.token_ids.to(self.device) if draft is not None else self._no_draft
@@ -327,6 +330,7 @@ class Generation:
         # the last prompt token goes through the ordinary step path: identical numerics to
         # every later step, and the first generated token comes out of `step` like all others
         self.num_prefilled = prompt.numel()
+        synchronize(self.device)
         self.prefill_s = time.perf_counter() - t0
 
     def _last_token(self) -> torch.Tensor:
