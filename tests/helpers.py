@@ -12,6 +12,8 @@
 - `compact_target_engine` / `compact_prompts` / `logits_three_ways` / `decode_three_ways`: the
   shipped target in a compact weight format (int4, bfloat16) and the checks that its rows score
   and decode the same alone, in a verify chain and in a batch.
+- `slow_device_waits`: a module's `synchronize` replaced by a recorded stand-in wait, for the
+  checks that timed GPU work is clocked after the device finishes.
 """
 
 from __future__ import annotations
@@ -42,6 +44,19 @@ from workers.drafters.medusa import MedusaConfig, MedusaHeads
 from workers.engine import GenerationResult, SpecEngine, StepOrder
 from workers.models.base import CausalLM, SeqInput
 from workers.sampling import SamplingParams, probs_from_logits
+
+
+def slow_device_waits(monkeypatch: pytest.MonkeyPatch, module: str, wait_s: float) -> list[torch.device]:
+    """`module`'s synchronize waits `wait_s` (a GPU finishing queued work); the devices it was
+    called for, in order."""
+    waits: list[torch.device] = []
+
+    def slow_sync(device: torch.device) -> None:
+        waits.append(device)
+        time.sleep(wait_s)
+
+    monkeypatch.setattr(f"{module}.synchronize", slow_sync)
+    return waits
 
 
 def free_port() -> int:

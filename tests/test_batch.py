@@ -5,7 +5,6 @@ batch in one call; failure isolation."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from helpers import (
     TwoTokenCase,
     assert_follows_joint,
     assert_same_or_tie,
+    slow_device_waits,
     write_eagle,
     write_medusa_heads,
 )
@@ -235,13 +235,7 @@ def test_a_step_times_the_forward_until_the_device_finishes(
 ) -> None:
     """A GPU forward returns before it runs: the step's seconds (what the goodput rule prices the
     next steps by) must include the wait for the device. A stand-in wait of 20 ms is counted."""
-    waits: list[torch.device] = []
-
-    def slow_sync(device: torch.device) -> None:
-        waits.append(device)
-        time.sleep(0.02)
-
-    monkeypatch.setattr("workers.batch.synchronize", slow_sync)
+    waits = slow_device_waits(monkeypatch, "workers.batch", 0.02)
     batch = BatchEngine(engine)
     gen = batch.add(prompts[0], greedy(4))
     step = batch.step({g: StepOrder() for g in batch.schedule()})

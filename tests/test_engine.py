@@ -8,14 +8,13 @@ drafter that proposes plain decoding's own continuation with chosen mistakes, fa
 
 from __future__ import annotations
 
-import time
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
-from helpers import TwoTokenCase
+from helpers import TwoTokenCase, slow_device_waits
 
 from policies.controller import FirstTry, StepChoice
 from workers.config import EngineConfig, ModelConfig, ModelDrafterConfig, NgramDrafterConfig
@@ -206,13 +205,7 @@ def test_timed_forwards_wait_for_the_device(
     """A GPU forward (or a drafter on the GPU) returns at launch: the prefill's, each draft's and
     each verify's seconds are read after waiting for the device. A stand-in wait of 10 ms shows
     in each."""
-    waits: list[torch.device] = []
-
-    def slow_sync(device: torch.device) -> None:
-        waits.append(device)
-        time.sleep(0.01)
-
-    monkeypatch.setattr("workers.engine.synchronize", slow_sync)
+    waits = slow_device_waits(monkeypatch, "workers.engine", 0.01)
     result = engine.generate(prompts[0], greedy(3), "ngram", 2)
     drafted = [s for s in result.steps if s.draft_len]  # the last step's k is clipped to 0: no draft
     assert drafted and set(waits) == {engine.target.model.device}

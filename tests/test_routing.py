@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
+from helpers import slow_device_waits
 from test_engine import with_drafters
 
 from policies.records import PLAIN, StepRecord
@@ -273,13 +272,7 @@ def test_measure_costs(tiny_engine: SpecEngine) -> None:
 def test_measured_costs_wait_for_the_device(tiny_engine: SpecEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each timed forward waits for the device before the clock is read (a GPU forward returns at
     launch): a stand-in wait of 10 ms shows in every verify cost."""
-    waits: list[torch.device] = []
-
-    def slow_sync(device: torch.device) -> None:
-        waits.append(device)
-        time.sleep(0.01)
-
-    monkeypatch.setattr("workers.routing.synchronize", slow_sync)
+    waits = slow_device_waits(monkeypatch, "workers.routing", 0.01)
     costs = measure_costs(tiny_engine, context_len=16, repeats=1)
     assert len(waits) == 2 * len(costs.verify_s)  # a warm-up round and one timed round
     assert min(costs.verify_s) >= 0.01

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from workers.models.base import synchronize
 from workers.models.llama import FastLlama
 
 
@@ -89,8 +90,7 @@ def extract_features(model: FastLlama, chunks: Sequence[Sequence[int]], *, progr
             out = model.forward(ids[a:b].to(model.device), cache, last_only=True, return_hidden=True)
             features[a:b] = out.hidden.to("cpu", torch.float16)
             bar.update(b - a)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
+    synchronize(model.device)
     wall = time.perf_counter() - start
     meta = {"tokens": total, "chunks": len(chunks), "extract_s": round(wall, 3),
             "tokens_per_s": round(total / wall, 1) if wall > 0 else None,
