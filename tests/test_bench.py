@@ -339,3 +339,31 @@ def test_cli_bench_under_concurrency(tmp_path: Path, tiny_config: EngineConfig, 
     assert main(["bench", "--prompts", str(prompts), "--methods", "plain", "--concurrency", "0,2",
                  "--out", str(tmp_path / "bad")]) == 2
     assert "--concurrency" in capsys.readouterr().err
+
+
+def test_verify_curve_keeps_each_k_fastest_forward(monkeypatch: pytest.MonkeyPatch, tiny_engine) -> None:
+    """Another process only slows a forward down, so the curve reports each k's fastest repetition:
+    on a clock where a forward over 1 + k tokens takes 1 + k ms and two of each k's three timed
+    repetitions 50 ms more (so the median is slow), the curve reads exactly 1 + k ms."""
+    import bench.verify_cost as verify_cost
+
+    model, now, calls = tiny_engine.target.model, [0.0], {}
+    real_forward = model.forward
+
+    def forward(input_ids: torch.Tensor, cache, **kwargs):
+        n = input_ids.shape[0]
+        if n <= 5:  # a verify forward (the context's prefill is longer)
+            calls[n] = calls.get(n, 0) + 1
+            now[0] += n * 1e-3 + (0.05 if calls[n] in (2, 3) else 0.0)  # call 1 is the warm-up
+        return real_forward(input_ids, cache, **kwargs)
+
+    def clock() -> float:
+        now[0] += 1e-9  # a tensor copy takes a little time too (the bandwidth measurement divides by it)
+        return now[0]
+
+    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(verify_cost.time, "perf_counter", clock)
+    curve = verify_cost.measure_verify_curve(model, context_len=16, ks=[1, 4], reps=3, bandwidth_bytes=1 << 20)
+    assert curve["ks"] == [0, 1, 4]
+    assert curve["step_s"] == pytest.approx([1e-3, 2e-3, 5e-3], abs=1e-8)
+    assert curve["ratio"] == pytest.approx([1.0, 2.0, 5.0], rel=1e-5)
