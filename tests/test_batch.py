@@ -5,6 +5,7 @@ batch in one call; failure isolation."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from workers.drafters.base import BatchDrafter, DraftRequest
 from workers.drafters.model import ModelDrafter
 from workers.drafters.registry import build_drafter
 from workers.engine import Generation, SpecEngine, StepOrder
+from workers.models import llama
 from workers.models.base import SeqInput
 from workers.sampling import SamplingParams
 from workers.tree import DraftTree
@@ -128,6 +130,29 @@ def test_pool_slots_are_reused_lowest_first_and_refuse_when_full(engine: SpecEng
     with pytest.raises(ValueError, match="not allocated"):
         pool.release(a)
     assert pool.allocate().slot == 0
+
+
+@pytest.mark.parametrize("offset,length", [(0, 3 << 12), (5, 3 << 12), (7, 100)])
+def test_zeroing_kv_memory_zeroes_every_element_and_nothing_beside(offset: int, length: int) -> None:
+    """Whole pages are handed back to the system, the partial pages at either end zeroed in place."""
+    buf = torch.full((length + 64,), float("nan"))
+    llama._zero_(buf[offset : offset + length])
+    assert bool((buf[offset : offset + length] == 0).all())
+    assert bool(buf[:offset].isnan().all()) and bool(buf[offset + length :].isnan().all())
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads Linux's resident set")
+def test_kv_zeros_take_memory_only_where_written() -> None:
+    """A new cache or pool reads zeros (attention reads masked keys past the written ones) without
+    holding its capacity resident: pages come from the shared zero page until a sequence writes."""
+    def resident() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * mmap.PAGESIZE
+
+    before = resident()
+    kv = llama._zeros((64 << 20,), torch.float32, torch.device("cpu"))  # 256 MiB
+    assert float(kv.sum()) == 0.0 and resident() - before < (32 << 20)
+    kv[: 32 << 20] = 1.0  # half written: half resident
+    assert resident() - before > (96 << 20)
 
 
 # -- the scheduler --------------------------------------------------------------------------------

@@ -99,15 +99,17 @@ def test_int4_target_speculative_and_batched_output_equals_its_plain_output(
         assert_same_or_tie(int4_engine, prompt, got, expected)
 
 
-def test_a_pool_slot_reads_only_finite_keys_when_its_sequence_runs_alone(
+def test_a_released_pool_slot_reads_only_finite_keys_when_its_next_sequence_runs_alone(
     int4_engine: SpecEngine, int4_prompts: list[list[int]],
 ) -> None:
     """A batch of one runs `forward` on its pool slot, which reads keys in whole blocks past
-    what the slot has written: memory a slot never wrote (NaN here) must not reach a logit."""
+    what the slot has written: what an earlier sequence left there (NaN here) must not reach a
+    logit once the slot was released."""
     model = int4_engine.target.model
     pool = model.new_pool(1, 1024)
     pool.k.fill_(float("nan"))
     pool.v.fill_(float("nan"))
+    pool.release(pool.allocate())
     prompt = torch.tensor(int4_prompts[0])
     slot, alone = pool.allocate(), model.new_cache(1024)
     for cache in (slot, alone):

@@ -71,7 +71,7 @@ class StaticKVCache:
     ) -> StaticKVCache:
         """`zeroed`: finite everywhere (attention that reads masked keys past the length needs it)."""
         shape = (num_layers, num_kv_heads, capacity, head_dim)
-        new = torch.zeros if zeroed else torch.empty
+        new = _zeros if zeroed else torch.empty
         return cls(new(shape, dtype=dtype, device=device), new(shape, dtype=dtype, device=device))
 
     @property
@@ -116,20 +116,20 @@ class KVPool:
     a slot costs only the pages its sequence has written, and attention reads every sequence's
     keys in place (a strided view of the pool), where paged blocks need a gather per layer and
     step (docs/benchmarks.md, "Continuous batching"). Slots are handed out lowest first, so the
-    running sequences occupy a dense range and one attention call covers them all."""
+    running sequences occupy a dense range and one attention call covers them all.
+
+    Attention over a group reads keys up to its longest sequence (whole blocks, for a
+    row-invariant model), masked; a NaN there would stay NaN under the mask, so the pool starts
+    as zeros (`_zeros`: no memory until written) and a released slot reads zeros again."""
 
     def __init__(
         self, num_layers: int, num_slots: int, num_kv_heads: int, capacity: int, head_dim: int,
         dtype: torch.dtype, device: torch.device,
     ) -> None:
         shape = (num_layers, num_slots, num_kv_heads, capacity, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k = _zeros(shape, dtype=dtype, device=device)
+        self.v = _zeros(shape, dtype=dtype, device=device)
         self._free = list(range(num_slots))  # a heap: the lowest free slot first
-        # per slot, the positions known finite: written, or zeroed. Attention over a group reads
-        # keys up to its longest sequence, masked; never-written memory may hold NaN, and a NaN
-        # score stays NaN under the mask
-        self._finite = [0] * num_slots
 
     @property
     def num_slots(self) -> int:
@@ -149,23 +149,15 @@ class KVPool:
         slot = heapq.heappop(self._free)
         return StaticKVCache(self.k[:, slot], self.v[:, slot], self, slot)
 
-    def make_finite(self, cache: StaticKVCache, end: int) -> None:
-        """Zero the positions below `end` that were never written (what the cache holds was), once
-        per slot: entries written or zeroed stay finite after a rollback or a new sequence."""
-        start = max(self._finite[cache.slot], cache.length)
-        if end > start:
-            self.k[:, cache.slot, :, start:end] = 0
-            self.v[:, cache.slot, :, start:end] = 0
-        self._finite[cache.slot] = max(self._finite[cache.slot], end)
-
     def release(self, cache: StaticKVCache) -> None:
-        """Give the slot back, and its memory to the system: a slot keeps no pages once free, so
-        the pool's resident size follows what the running sequences hold, not its longest ever."""
+        """Give the slot back, zeroed, and its memory to the system: a slot keeps no pages once
+        free, so the pool's resident size follows what the running sequences hold, not its
+        longest ever."""
         if cache.pool is not self or cache.slot in self._free:
             raise ValueError(f"slot {cache.slot} is not allocated from this pool")
         for layer in range(self.k.shape[0]):
-            _drop_pages(self.k[layer, cache.slot])
-            _drop_pages(self.v[layer, cache.slot])
+            _zero_(self.k[layer, cache.slot])
+            _zero_(self.v[layer, cache.slot])
         heapq.heappush(self._free, cache.slot)
         cache.detach()
 
@@ -174,16 +166,30 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 _MADV_DONTNEED = 4  # <sys/mman.h>: private anonymous pages are freed and read back as zeros
 
 
-def _drop_pages(t: torch.Tensor) -> None:
-    """Return the whole pages inside a contiguous CPU tensor to the system; it reads zeros after
-    (finite, so the pool's finite marks stay true). Elsewhere a no-op."""
+def _zero_(t: torch.Tensor) -> torch.Tensor:
+    """Zero a contiguous tensor; on a Linux CPU by handing its whole pages back to the system,
+    which then read as the kernel's one shared zero page until written: no resident memory, and
+    reading them (attention's masked padding keys, see _INVARIANT_KEY_BLOCK) costs no memory
+    traffic. The partial pages at either end, and any tensor elsewhere, are zeroed in place."""
     if _LIBC is None or t.device.type != "cpu" or not t.is_contiguous():
-        return
-    page = mmap.PAGESIZE
-    start = -(-t.data_ptr() // page) * page
-    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-    if end > start and _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED):
-        log.warning("madvise failed (errno %d): a freed KV slot keeps its pages", ctypes.get_errno())
+        return t.zero_()
+    page, size = mmap.PAGESIZE, t.element_size()
+    first, last = t.data_ptr(), t.data_ptr() + t.numel() * size
+    start, end = -(-first // page) * page, last // page * page
+    if end <= start:
+        return t.zero_()
+    if _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED):
+        log.warning("madvise failed (errno %d): zeroing KV memory in place", ctypes.get_errno())
+        return t.zero_()
+    flat = t.view(-1)
+    flat[: (start - first) // size].zero_()
+    flat[(end - first) // size :].zero_()
+    return t
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros that takes memory only where it is written, on a CPU (`_zero_`)."""
+    return _zero_(torch.empty(shape, dtype=dtype, device=device))
 
 
 @dataclass
@@ -462,8 +468,6 @@ class FastLlama:
         n, start = input_ids.shape[0], cache.length
         end = start + n
         keys = min(_key_span(end), cache.capacity)
-        if cache.pool is not None:  # a pool slot's memory past its writes may hold anything (see KVPool)
-            cache.pool.make_finite(cache, keys)
         rows = self.group * n
         pad = max(0, self.min_queries - rows)
         mask = _additive(F.pad(mask, (0, keys - end)), self.dtype).repeat_interleave(self.group, 0)  # [rows, keys]
@@ -555,9 +559,6 @@ class FastLlama:
         pad = {"min_queries": self.min_queries, "max_keys": pool.capacity} if self.batch_invariant else {}
         groups = [_AttnGroup.of([(batch[b], bounds[b]) for b in members], dev, self.dtype, self.group, **pad)
                   for members in _attention_groups(batch)]
-        for g in groups:
-            for s in g.members:
-                pool.make_finite(s.cache, g.l_max)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pool.k[i, row_slot, :, store] = k  # [N, nkv, d] into (slot, position) pairs
