@@ -286,20 +286,26 @@ def compact_prompts(engine: SpecEngine, spec_bench: Callable[[str, int], list[di
     return [engine.encode(q["turns"][0]) for q in questions]
 
 
+# tokens scored at the end of each prompt: 33 grouped query rows on SmolLM2 (3 query heads a
+# key/value head), one past SDPA's 32-row query block, as long as a lookahead step's verify
+THREE_WAYS_TOKENS = 11
+
+
 @dataclass
 class ThreeWays:
-    steps: torch.Tensor  # [6, vocab]: the last 6 tokens one forward each, alone
-    chain: torch.Tensor  # the same 6 in one forward, alone
-    batched: torch.Tensor  # the same 6 in one batched forward beside the other prompts'
+    steps: torch.Tensor  # [THREE_WAYS_TOKENS, vocab]: the last tokens one forward each, alone
+    chain: torch.Tensor  # the same tokens in one forward, alone
+    batched: torch.Tensor  # the same tokens in one batched forward beside the other prompts'
 
 
 def logits_three_ways(engine: SpecEngine, prompts: list[list[int]]) -> list[ThreeWays]:
-    """Each prompt's last 6 tokens scored alone step by step, as a verify chain, and in a batch
-    (the heads prefilled side by side in a pool)."""
+    """Each prompt's last THREE_WAYS_TOKENS tokens scored alone step by step, as a verify chain,
+    and in a batch (the heads prefilled side by side in a pool)."""
+    n = THREE_WAYS_TOKENS
     model = engine.target.model
     pool = model.new_pool(len(prompts), 1024)
     caches = [pool.allocate() for _ in prompts]
-    heads, tails = [torch.tensor(p[:-6]) for p in prompts], [torch.tensor(p[-6:]) for p in prompts]
+    heads, tails = [torch.tensor(p[:-n]) for p in prompts], [torch.tensor(p[-n:]) for p in prompts]
     model.forward_batch([SeqInput(h, c, "none") for h, c in zip(heads, caches)])
     batched = model.forward_batch([SeqInput(t, c, "all") for t, c in zip(tails, caches)])
     out = []
@@ -308,7 +314,7 @@ def logits_three_ways(engine: SpecEngine, prompts: list[list[int]]) -> list[Thre
         model.forward(head, alone, last_only=True)
         chain = model.forward(tail, alone).logits
         alone.truncate(head.numel())
-        steps = torch.cat([model.forward(tail[i : i + 1], alone).logits for i in range(6)])
+        steps = torch.cat([model.forward(tail[i : i + 1], alone).logits for i in range(n)])
         out.append(ThreeWays(steps, chain, b.logits))
     return out
 

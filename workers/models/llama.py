@@ -463,13 +463,13 @@ class FastLlama:
         mask: torch.Tensor, last_only: bool, return_hidden: bool,
     ) -> ForwardOutput:
         """`forward` computing every row as it would be computed alone, in a chain or in a batch:
-        the grouped layout, whole key blocks (zeros past the end, masked) and >= min_queries rows
-        (see invariant_min_queries)."""
+        the grouped layout, whole key blocks (zeros past the end, masked) and query blocks of
+        >= min_queries rows (see invariant_min_queries, _query_blocks_invariant)."""
         n, start = input_ids.shape[0], cache.length
         end = start + n
         keys = min(_key_span(end), cache.capacity)
         rows = self.group * n
-        pad = max(0, self.min_queries - rows)
+        pad = next(r for r in itertools.count(rows) if _query_blocks_invariant(r, self.min_queries)) - rows
         mask = _additive(F.pad(mask, (0, keys - end)), self.dtype).repeat_interleave(self.group, 0)  # [rows, keys]
         mask = torch.cat([mask, mask[-1:].expand(pad, -1)])
 
@@ -626,7 +626,7 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # float32 rounding differences into ~0.5-logit ones.
 _INVARIANT_KEY_BLOCK = 512
 _MIN_QUERY_CANDIDATES = (3, 4, 6, 8, 12, 16)
-_SPLIT_QUERIES = 32  # SDPA splits the queries of calls this short into one block
+_SPLIT_QUERIES = 32  # SDPA splits a call's queries into blocks of this many (below 192 rows)
 
 
 @functools.cache
@@ -650,6 +650,15 @@ def invariant_min_queries(num_heads: int, head_dim: int, dtype: torch.dtype, dev
     log.warning("SDPA rows differ with the call's row count up to %d rows: quantized outputs may differ "
                 "from plain decoding's beyond ties", _MIN_QUERY_CANDIDATES[-1])
     return _MIN_QUERY_CANDIDATES[-1]
+
+
+def _query_blocks_invariant(rows: int, min_queries: int) -> bool:
+    """Whether every query block SDPA splits a call of `rows` query rows into holds min_queries
+    rows or more: blocks of 32 rows below 192 (64 below 768, else 256; torch 2.13), and a short
+    last block takes other kernels, as a short call does (33 rows: the 33rd row's logits 0.25
+    off its own). Calls are padded up to the next count that passes."""
+    split = _SPLIT_QUERIES if rows < 192 else 64 if rows < 768 else 256
+    return rows >= min_queries and not 0 < rows % split < min_queries
 
 
 def _key_span(end: int) -> int:
@@ -711,14 +720,15 @@ class _AttnGroup:
         max_keys: int | None = None,
     ) -> _AttnGroup:
         """`members`: (sequence, its first row in the packed batch); `dtype`: the queries'. `group`:
-        query heads per key/value head (the grouped layout, _grouped). `min_queries`: query rows per slot and head
-        of the grouped layout at least; `max_keys` (the pool's capacity) given: keys padded to
-        whole blocks, so that every row is computed as it would be alone (see _INVARIANT_KEY_BLOCK)."""
+        query heads per key/value head (the grouped layout, _grouped). `min_queries`: the fewest
+        query rows per slot and head of the grouped layout in any query block
+        (_query_blocks_invariant); `max_keys` (the pool's capacity) given: keys padded to whole
+        blocks, so that every row is computed as it would be alone (see _INVARIANT_KEY_BLOCK)."""
         lo = min(s.cache.slot for s, _ in members)
         hi = max(s.cache.slot for s, _ in members) + 1
         n_max = max(s.input_ids.shape[0] for s, _ in members)
         l_max = max(s.cache.length + s.input_ids.shape[0] for s, _ in members)
-        n_max = max(n_max, -(-min_queries // group))
+        n_max = next(n for n in itertools.count(n_max) if _query_blocks_invariant(n * group, min_queries))
         if max_keys is not None:
             l_max = min(_key_span(l_max), max_keys)
         # key p is visible to query j of a sequence starting at `start`: p < start, or within its
