@@ -9,9 +9,10 @@
 - `chain_accepts`: what a greedy k = 1 chain accepts, given bench/agreement.py's per-position hits.
 - `assert_same_or_tie`: a greedy output equals the expected one, or first differs where the
   target's top two logits tie within float rounding.
-- `compact_target_engine` / `compact_prompts` / `logits_three_ways` / `decode_three_ways`: the
-  shipped target in a compact weight format (int4, bfloat16) and the checks that its rows score
-  and decode the same alone, in a verify chain and in a batch.
+- `compact_target_engine` / `compact_prompts` / `logits_three_ways` / `decode_three_ways` /
+  `tree_and_chain_logits`: the shipped target in a compact weight format (int4, bfloat16) and
+  the checks that its rows score and decode the same alone, in a verify chain, in a batch and on
+  a draft tree's leading chain.
 - `slow_device_waits`: a module's `synchronize` replaced by a recorded stand-in wait, for the
   checks that timed GPU work is clocked after the device finishes.
 """
@@ -38,12 +39,13 @@ import yaml
 from scipy.stats import chisquare
 
 from workers.batch import BatchEngine
-from workers.config import PLAIN, EngineConfig, NgramDrafterConfig, TargetConfig
+from workers.config import PLAIN, EngineConfig, LookaheadDrafterConfig, NgramDrafterConfig, TargetConfig
 from workers.drafters.eagle import EagleConfig, EagleNet
 from workers.drafters.medusa import MedusaConfig, MedusaHeads
 from workers.engine import GenerationResult, SpecEngine, StepOrder
 from workers.models.base import CausalLM, SeqInput
 from workers.sampling import SamplingParams, probs_from_logits
+from workers.tree import DraftTree
 
 
 def slow_device_waits(monkeypatch: pytest.MonkeyPatch, module: str, wait_s: float) -> list[torch.device]:
@@ -273,9 +275,11 @@ def assert_same_or_tie(engine: Any, prompt: list[int], got: list[int], expected:
 
 
 def compact_target_engine(weights: str) -> SpecEngine:
-    """The shipped target in `weights`, prompt lookup, a batch of 3 with small prefill chunks."""
+    """The shipped target in `weights`, prompt lookup and lookahead decoding (its draft trees), a
+    batch of 3 with small prefill chunks."""
     return SpecEngine.from_config(EngineConfig(
-        target=TargetConfig(weights=weights, max_model_len=1024), drafters=[NgramDrafterConfig()],
+        target=TargetConfig(weights=weights, max_model_len=1024),
+        drafters=[NgramDrafterConfig(), LookaheadDrafterConfig()],
         scheduler={"max_num_seqs": 3, "max_num_batched_tokens": 64},
     ))
 
@@ -319,11 +323,26 @@ def logits_three_ways(engine: SpecEngine, prompts: list[list[int]]) -> list[Thre
     return out
 
 
+def tree_and_chain_logits(engine: SpecEngine, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The root and the leading chain's two nodes of a draft tree with a second branch (the prompt's
+    last 5 tokens: root, chain, branch), and the same three tokens scored as a chain."""
+    model, head, tail = engine.target.model, torch.tensor(prompt[:-5]), torch.tensor(prompt[-5:])
+    tree = DraftTree((-1, 0, -1, 2))
+    assert tree.leading_chain == 2
+    rows = []
+    for inputs, t in ((tail, tree), (tail[:3], None)):
+        cache = model.new_cache(1024)
+        model.forward(head, cache, last_only=True)
+        rows.append(model.forward(inputs, cache, tree=t).logits[:3])
+    return rows[0], rows[1]
+
+
 @dataclass
 class Decoded:
     plain: list[list[int]]
     drafted: list[GenerationResult]  # prompt lookup, k = 6, one request at a time
     batched: list[list[int]]  # plain and prompt-lookup requests alternating in one batch
+    lookahead: list[GenerationResult]  # lookahead decoding's draft trees, one request at a time
 
 
 def decode_three_ways(engine: SpecEngine, prompts: list[list[int]], max_tokens: int = 48) -> Decoded:
@@ -332,10 +351,11 @@ def decode_three_ways(engine: SpecEngine, prompts: list[list[int]], max_tokens: 
     params = SamplingParams(max_tokens=max_tokens)
     plain = [engine.generate(p, params).token_ids for p in prompts]
     drafted = [engine.generate(p, params, drafter="ngram", draft_len=6) for p in prompts]
+    lookahead = [engine.generate(p, params, drafter="lookahead", draft_len=2) for p in prompts]
     batch = BatchEngine(engine)
     gens = [batch.add(p, params) for p in prompts]
     orders = {g: StepOrder("ngram", 6) if i % 2 else StepOrder(PLAIN, 0) for i, g in enumerate(gens)}
     while batch.num_unfinished:
         step = batch.step({g: orders[g] for g in batch.schedule()})
         assert not step.failed
-    return Decoded(plain, drafted, [gen.output_ids for gen in gens])
+    return Decoded(plain, drafted, [gen.output_ids for gen in gens], lookahead)

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compact_prompts, compact_target_engine, decode_three_ways, logits_three_ways
+from helpers import (
+    compact_prompts,
+    compact_target_engine,
+    decode_three_ways,
+    logits_three_ways,
+    tree_and_chain_logits,
+)
 
 from bench.verify_cost import weight_bytes
 from workers.config import TargetConfig
@@ -102,14 +108,27 @@ def test_a_bfloat16_rows_logits_are_bit_for_bit_the_same_alone_in_a_verify_chain
 
 
 @fast_bfloat16
+def test_a_bfloat16_draft_trees_leading_chain_is_scored_bit_for_bit_as_a_chain(
+    bf16_engine: SpecEngine, bf16_prompts: list[list[int]],
+) -> None:
+    """The rows verification reads from a tree on a row-invariant target (workers/verify.py)."""
+    for prompt in bf16_prompts:
+        tree_rows, chain_rows = tree_and_chain_logits(bf16_engine, prompt)
+        assert torch.equal(tree_rows, chain_rows)
+
+
+@fast_bfloat16
 def test_bfloat16_target_speculative_and_batched_output_equals_its_plain_output(
     bf16_engine: SpecEngine, bf16_prompts: list[list[int]],
 ) -> None:
-    """Prompt lookup alone, and a batch mixing plain and prompt-lookup requests: token for token."""
+    """Prompt lookup and lookahead decoding alone, and a batch mixing plain and prompt-lookup
+    requests: token for token."""
     out = decode_three_ways(bf16_engine, bf16_prompts)
     assert [r.token_ids for r in out.drafted] == out.plain
     assert sum(r.num_accepted_tokens for r in out.drafted) > 0  # the summaries copy their articles
     assert out.batched == out.plain
+    assert [r.token_ids for r in out.lookahead] == out.plain  # draft trees: read on their leading chain only
+    assert sum(r.num_accepted_tokens for r in out.lookahead) > 0
 
 
 @fast_bfloat16

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_or_tie, compact_prompts, compact_target_engine, decode_three_ways, logits_three_ways
+from helpers import (
+    assert_same_or_tie,
+    compact_prompts,
+    compact_target_engine,
+    decode_three_ways,
+    logits_three_ways,
+    tree_and_chain_logits,
+)
 from safetensors.torch import load_file
 
 from bench.verify_cost import weight_bytes
@@ -89,14 +96,27 @@ def test_an_int4_rows_logits_are_the_same_alone_in_a_verify_chain_and_in_a_batch
 def test_int4_target_speculative_and_batched_output_equals_its_plain_output(
     int4_engine: SpecEngine, int4_prompts: list[list[int]],
 ) -> None:
-    """Prompt lookup alone, and a batch mixing plain and prompt-lookup requests: the int4
-    target's own plain output (a differing token only at a float32 tie of the top two logits)."""
+    """Prompt lookup and lookahead decoding alone, and a batch mixing plain and prompt-lookup
+    requests: the int4 target's own plain output (a differing token only at a float32 tie of the
+    top two logits)."""
     out = decode_three_ways(int4_engine, int4_prompts)
     for prompt, r, expected in zip(int4_prompts, out.drafted, out.plain):
         assert_same_or_tie(int4_engine, prompt, r.token_ids, expected)
     assert sum(r.num_accepted_tokens for r in out.drafted) > 0  # the summaries copy their articles
     for prompt, got, expected in zip(int4_prompts, out.batched, out.plain):
         assert_same_or_tie(int4_engine, prompt, got, expected)
+    for prompt, r, expected in zip(int4_prompts, out.lookahead, out.plain):  # draft trees
+        assert_same_or_tie(int4_engine, prompt, r.token_ids, expected)
+
+
+def test_an_int4_draft_trees_leading_chain_is_scored_as_a_chain(
+    int4_engine: SpecEngine, int4_prompts: list[list[int]],
+) -> None:
+    """The rows verification reads from a tree on a row-invariant target (workers/verify.py): as
+    the verify chain, up to the float32 lm_head's kernel choice where the CPU lacks fast bfloat16."""
+    for prompt in int4_prompts:
+        tree_rows, chain_rows = tree_and_chain_logits(int4_engine, prompt)
+        torch.testing.assert_close(tree_rows, chain_rows, atol=2e-4, rtol=0)
 
 
 def test_a_released_pool_slot_reads_only_finite_keys_when_its_next_sequence_runs_alone(

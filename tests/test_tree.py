@@ -97,16 +97,32 @@ def test_tree_greedy_follows_the_targets_child_down() -> None:
     assert (result.num_accepted, result.token_ids, result.path) == (0, [6], ())
 
 
-def test_tree_sampled_is_exactly_target_distributed() -> None:
+def test_tree_greedy_reads_no_row_past_the_exact_nodes() -> None:
+    """A row-invariant target's exact rows are the leading chain's (node 0 of TREE): a node past it
+    is taken as the token after its exact parent, and the step ends there."""
+    assert (TREE.leading_chain, DraftTree.chain(4).leading_chain, DraftTree((-1, 0, 0, 1)).leading_chain) == (1, 4, 2)
+    draft = torch.tensor([4, 7, 1, 2, 3, 9])
+    result = verify_tree_greedy(one_hot_logits([4, 1, 0, 9, 0, 0, 5]), draft, TREE, exact_nodes=1)
+    assert (result.num_accepted, result.token_ids, result.path) == (1, [4, 1], (0,))  # node 2's row unread
+    result = verify_tree_greedy(one_hot_logits([7, 0, 3, 0, 0, 8, 0]), draft, TREE, exact_nodes=1)
+    assert (result.num_accepted, result.token_ids, result.path) == (0, [7], ())
+    chain = DraftTree.chain(3)
+    result = verify_tree_greedy(one_hot_logits([4, 7, 1, 2]), torch.tensor([4, 7, 1]), chain, chain.leading_chain)
+    assert (result.num_accepted, result.token_ids) == (3, [4, 7, 1, 2])
+
+
+@pytest.mark.parametrize("exact_nodes", [None, 1], ids=["every-row", "leading-chain-only"])
+def test_tree_sampled_is_exactly_target_distributed(exact_nodes: int | None) -> None:
     """Root children 0 and 1 (node 0 has a child 2); the emitted (first, second) pair must follow
-    p_root, then p at the node taken: the second token exists when the first was a candidate."""
+    p_root, then p at the node taken: the second token exists when the first was a candidate
+    whose row is read (with exact_nodes 1, node 0's only)."""
     V, trials = 5, 12_000
     probs = torch.tensor([[0.1, 0.3, 0.2, 0.15, 0.25],  # after the root
                           [0.4, 0.1, 0.1, 0.2, 0.2],  # after node 0 (token 1)
                           [0.05, 0.05, 0.3, 0.3, 0.3],  # after node 1 (token 4)
                           [0.2, 0.2, 0.2, 0.2, 0.2]])  # after node 2
     tree, draft = DraftTree((-1, -1, 0)), torch.tensor([1, 4, 0])
-    after = {1: probs[1], 4: probs[2]}
+    after = {1: probs[1], 4: probs[2]} if exact_nodes is None else {1: probs[1]}
     cells: dict[tuple[int, ...], float] = {}
     for a in range(V):
         if a in after:
@@ -117,7 +133,7 @@ def test_tree_sampled_is_exactly_target_distributed() -> None:
     counts = dict.fromkeys(cells, 0)
     gen = torch.Generator().manual_seed(0)
     for _ in range(trials):
-        result = verify_tree_sampled(probs, draft, tree, gen)
+        result = verify_tree_sampled(probs, draft, tree, gen, exact_nodes)
         counts[tuple(result.token_ids[:2])] += 1
         assert [draft[i] for i in result.path] == result.token_ids[: result.num_accepted]
     keys = sorted(cells)

@@ -352,11 +352,14 @@ class Generation:
     def _verify(
         self, logits: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, tree: DraftTree | None,
     ) -> VerifyResult:
+        # a row-invariant target scores only the tree's leading chain as plain decoding would (verify.py)
+        exact = tree.leading_chain if tree is not None and self.engine.target.model.batch_invariant else None
         if self.params.greedy:
-            return verify_greedy(logits, draft_ids) if tree is None else verify_tree_greedy(logits, draft_ids, tree)
+            return (verify_greedy(logits, draft_ids) if tree is None
+                    else verify_tree_greedy(logits, draft_ids, tree, exact))
         probs = probs_from_logits(logits, self.params)
         if tree is not None:
-            return verify_tree_sampled(probs, draft_ids, tree, self.ctx.generator)
+            return verify_tree_sampled(probs, draft_ids, tree, self.ctx.generator, exact)
         return verify_sampled(probs, draft_ids, draft_probs, self.ctx.generator)
 
     def _emit(self, token_ids: list[int]) -> int:

@@ -42,6 +42,16 @@ class DraftTree:
     def depth(self) -> int:
         return max(self.depths, default=0)
 
+    @property
+    def leading_chain(self) -> int:
+        """How many first nodes form a chain from the root (node i's parent is node i - 1): the
+        inputs a chain of their tokens would have, in the same places (see verify.py on
+        row-invariant targets)."""
+        n = 0
+        while n < len(self.parents) and self.parents[n] == n - 1:
+            n += 1
+        return n
+
     def prefix(self, n: int) -> DraftTree:
         """The first n nodes: a tree too (parents come first), for when only n inputs fit."""
         return DraftTree(self.parents[:n])

@@ -19,6 +19,13 @@ deterministic candidates): child c is accepted with probability r(c) / sum(r), w
 the target's p at the node and each rejected child is removed from it; when every child is
 rejected the token is drawn from what is left of r. That is exactly a draw from p, so the output
 stays target-distributed.
+
+On a row-invariant target (compact weights, workers/models/llama.py) a chain's rows are scored
+bit for bit as plain decoding scores them, and so are a tree's nodes on its leading chain
+(DraftTree.leading_chain). Any other node sees its ancestors' keys in other places than a chain
+would, which changes its attention's rounding, and bfloat16 products magnify that (up to ~0.25
+logits, measured): its token may still be taken, chosen by its parent's exact row, but the step
+ends there and its own row is never read (`exact_nodes`).
 """
 
 from __future__ import annotations
@@ -75,13 +82,19 @@ def verify_sampled(
     return VerifyResult(num_accepted, draft_ids[:num_accepted].tolist() + [int(last)])
 
 
-def verify_tree_greedy(target_logits: torch.Tensor, draft_ids: torch.Tensor, tree: DraftTree) -> VerifyResult:
-    """target_logits: [n + 1, vocab], row 0 after the root, row i + 1 after node i; draft_ids: [n]."""
+def verify_tree_greedy(
+    target_logits: torch.Tensor, draft_ids: torch.Tensor, tree: DraftTree, exact_nodes: int | None = None,
+) -> VerifyResult:
+    """target_logits: [n + 1, vocab], row 0 after the root, row i + 1 after node i; draft_ids: [n].
+    `exact_nodes`: only nodes below this index have rows the step may read (None: all)."""
     target_ids = target_logits.argmax(dim=-1).tolist()
     draft = draft_ids.tolist()
+    last = len(draft) if exact_nodes is None else exact_nodes
     path: list[int] = []
     node = -1
-    while (nxt := next((c for c in tree.children(node) if draft[c] == target_ids[node + 1]), None)) is not None:
+    # a matching node past `last` is the token emitted after its parent anyway (the argmax)
+    while (nxt := next((c for c in tree.children(node) if draft[c] == target_ids[node + 1]), None)) is not None \
+            and nxt < last:
         path.append(nxt)
         node = nxt
     return VerifyResult(len(path), [draft[i] for i in path] + [target_ids[node + 1]], tuple(path))
@@ -89,10 +102,14 @@ def verify_tree_greedy(target_logits: torch.Tensor, draft_ids: torch.Tensor, tre
 
 def verify_tree_sampled(
     target_probs: torch.Tensor, draft_ids: torch.Tensor, tree: DraftTree, generator: torch.Generator,
+    exact_nodes: int | None = None,
 ) -> VerifyResult:
     """target_probs: [n + 1, vocab] with the request's sampling settings applied, rows as in
-    verify_tree_greedy; the tree's candidates are deterministic (no drafter probabilities)."""
+    verify_tree_greedy; the tree's candidates are deterministic (no drafter probabilities).
+    `exact_nodes`: only nodes below this index have rows the step may read (None: all); a node
+    chosen past it is the step's last token."""
     draft = draft_ids.tolist()
+    last = len(draft) if exact_nodes is None else exact_nodes
     path: list[int] = []
     node = -1
     while True:
@@ -108,7 +125,9 @@ def verify_tree_sampled(
                 break
             residual[draft[child]] = 0
         if chosen is None:
-            last = int(torch.multinomial(residual, 1, generator=generator))
-            return VerifyResult(len(path), [draft[i] for i in path] + [last], tuple(path))
+            drawn = int(torch.multinomial(residual, 1, generator=generator))
+            return VerifyResult(len(path), [draft[i] for i in path] + [drawn], tuple(path))
+        if chosen >= last:  # a draw from p at an exact row; its own row is not read
+            return VerifyResult(len(path), [draft[i] for i in path] + [draft[chosen]], tuple(path))
         path.append(chosen)
         node = chosen

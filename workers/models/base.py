@@ -77,6 +77,9 @@ class CausalLM(Protocol):
     info: ModelInfo
     device: torch.device
     supports_tree: bool  # forward takes a draft tree (workers/tree.py) and its cache has keep()
+    # every row scored bit for bit as alone, in a chain or a batch (compact weights,
+    # workers/models/llama.py); a tree's off-chain nodes are not (workers/verify.py)
+    batch_invariant: bool
 
     def new_cache(self, capacity: int) -> KVCache: ...
 
