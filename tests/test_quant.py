@@ -18,11 +18,15 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
+import workers.engine as engine_module
 from bench.verify_cost import weight_bytes
 from workers.config import ModelConfig, TargetConfig
 from workers.engine import SpecEngine
 from workers.models.quant import GROUP_SIZE, Int4Linear, Int4Weight, read_gguf_int4
+from workers.sampling import SamplingParams
 from workers.target import ModelLoadError, _resolve_pkg, load_model
+from workers.tree import DraftTree
+from workers.verify import VerifyResult, verify_tree_greedy
 
 TARGET_GGUF = ModelConfig().model
 
@@ -117,6 +121,22 @@ def test_an_int4_draft_trees_leading_chain_is_scored_as_a_chain(
     for prompt in int4_prompts:
         tree_rows, chain_rows = tree_and_chain_logits(int4_engine, prompt)
         torch.testing.assert_close(tree_rows, chain_rows, atol=2e-4, rtol=0)
+
+
+def test_verification_reads_only_a_draft_trees_leading_chain_on_the_int4_target(
+    int4_engine: SpecEngine, int4_prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lookahead's trees on a row-invariant target: the engine verifies each with exact_nodes set
+    to the tree's leading chain (the rows scored as plain decoding would score them)."""
+    seen: list[tuple[int, int | None]] = []
+
+    def spy(logits: torch.Tensor, draft_ids: torch.Tensor, tree: DraftTree, exact_nodes: int | None = None) -> VerifyResult:
+        seen.append((tree.leading_chain, exact_nodes))
+        return verify_tree_greedy(logits, draft_ids, tree, exact_nodes)
+
+    monkeypatch.setattr(engine_module, "verify_tree_greedy", spy)
+    int4_engine.generate(int4_prompts[0], SamplingParams(max_tokens=16), drafter="lookahead", draft_len=2)
+    assert seen and all(chain == exact for chain, exact in seen)
 
 
 def test_a_released_pool_slot_reads_only_finite_keys_when_its_next_sequence_runs_alone(
