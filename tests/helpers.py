@@ -359,3 +359,20 @@ def decode_three_ways(engine: SpecEngine, prompts: list[list[int]], max_tokens: 
         step = batch.step({g: orders[g] for g in batch.schedule()})
         assert not step.failed
     return Decoded(plain, drafted, [gen.output_ids for gen in gens], lookahead)
+
+
+def chains_where_trees_are_inexact(engine: SpecEngine, drafter: str, k: int, text: str) -> GenerationResult:
+    """A tree drafter's greedy request on a request whose target scores only a tree's leading
+    chain exactly (DraftContext.exact_tree False, as on a row-invariant target): its steps, which
+    must draft chains; the output must still be plain decoding's."""
+    ids = engine.encode(text)
+    params = SamplingParams(max_tokens=24)
+    gen = engine.start(ids, params)
+    gen.ctx.exact_tree = False
+    while not gen.finished:
+        gen.step(drafter, k)
+    result = gen.result()
+    gen.close()
+    assert result.token_ids == engine.generate(ids, params).token_ids
+    assert result.num_draft_tokens > 0 and all(s.num_tree_nodes == 0 for s in result.steps)
+    return result

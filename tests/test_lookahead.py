@@ -46,6 +46,13 @@ def test_the_draft_is_the_window_and_the_guesses_as_one_tree() -> None:
     assert draft.tree.depths[8] == 4  # column 2: 1, 2, 3 then 6, at positions root + 1..4
     # k caps the guesses' length
     assert drafter.propose(state, c, 1).token_ids.tolist()[:2] == [20, 1]
+    # a target that scores only a tree's leading chain exactly: the latest guess leads it, the
+    # other could only give the token the root's row gives anyway, so it is not verified
+    c.exact_tree = False
+    draft = drafter.propose(state, c, 2)
+    pairs = list(zip(draft.token_ids.tolist(), draft.tree.parents))
+    assert pairs == [(20, -1), (21, 0), (1, -1), (4, 2), (2, 2), (5, 4), (3, 4), (6, 6)]
+    assert draft.tree.leading_chain == 2 and state.columns == [3, 5, 7]
 
 
 def test_reading_logits_fills_the_window_then_collects_ngrams() -> None:
@@ -110,6 +117,7 @@ def test_config_is_checked() -> None:
         LookaheadDrafterConfig(ngram=1)
     assert LookaheadDrafterConfig(window=4, ngram=3, guesses=4).size(1) == 4 * 2 + 4
     assert LookaheadDrafterConfig(window=4, ngram=3, guesses=4).size(5) == 4 * 2 + 4 * 2
+    assert LookaheadDrafterConfig(window=4, ngram=3, guesses=4).size(5, exact_tree=False) == 4 * 2 + 1 * 2
     assert LookaheadDrafterConfig().size(0) == 0
 
 

@@ -23,6 +23,7 @@ from bench.verify_cost import weight_bytes
 from workers.config import ModelConfig, TargetConfig
 from workers.engine import SpecEngine
 from workers.models.quant import GROUP_SIZE, Int4Linear, Int4Weight, read_gguf_int4
+from workers.routing import tree_sizes
 from workers.sampling import SamplingParams
 from workers.target import ModelLoadError, _resolve_pkg, load_model
 from workers.tree import DraftTree
@@ -127,16 +128,20 @@ def test_verification_reads_only_a_draft_trees_leading_chain_on_the_int4_target(
     int4_engine: SpecEngine, int4_prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Lookahead's trees on a row-invariant target: the engine verifies each with exact_nodes set
-    to the tree's leading chain (the rows scored as plain decoding would score them)."""
-    seen: list[tuple[int, int | None]] = []
+    to the tree's leading chain (the rows scored as plain decoding would score them), and the
+    drafter verifies one guess only, which the router prices its steps by."""
+    seen: list[tuple[int, int | None, int]] = []
 
     def spy(logits: torch.Tensor, draft_ids: torch.Tensor, tree: DraftTree, exact_nodes: int | None = None) -> VerifyResult:
-        seen.append((tree.leading_chain, exact_nodes))
+        seen.append((tree.leading_chain, exact_nodes, len(tree)))
         return verify_tree_greedy(logits, draft_ids, tree, exact_nodes)
 
     monkeypatch.setattr(engine_module, "verify_tree_greedy", spy)
     int4_engine.generate(int4_prompts[0], SamplingParams(max_tokens=16), drafter="lookahead", draft_len=2)
-    assert seen and all(chain == exact for chain, exact in seen)
+    assert seen and all(chain == exact for chain, exact, _ in seen)
+    config = next(d for d in int4_engine.config.drafters if d.name == "lookahead")
+    assert config.guesses > 1 and max(n for _, _, n in seen) <= config.size(2, exact_tree=False) < config.size(2)
+    assert tree_sizes(int4_engine)["lookahead"][2] == config.size(2, exact_tree=False)
 
 
 def test_a_released_pool_slot_reads_only_finite_keys_when_its_next_sequence_runs_alone(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import TwoTokenCase
+from helpers import TwoTokenCase, chains_where_trees_are_inexact
 from scipy.stats import chisquare
 
 from workers.config import EngineConfig, ModelConfig, ModelDrafterConfig, TreeConfig
@@ -186,6 +186,10 @@ def test_model_drafter_tree_greedy_identical_to_plain(tree_engine: SpecEngine, k
         drafted = [s for s in out.steps if s.num_tree_nodes]
         assert drafted and max(s.num_draft_tokens for s in drafted) <= k  # k is the depth
         assert max(s.num_tree_nodes for s in drafted) > k  # several candidates per position
+
+
+def test_model_drafter_drafts_chains_where_the_target_scores_only_chains_exactly(tree_engine: SpecEngine) -> None:
+    chains_where_trees_are_inexact(tree_engine, "other_tree", 3, "The quick brown fox jumps over the lazy dog.")
 
 
 def test_model_drafter_tree_sampled_follows_target_distribution(tree_engine: SpecEngine) -> None:

@@ -169,12 +169,18 @@ class LookaheadDrafterConfig(_Strict):
                           "the outputs the request's domain served and the request's own context (null: none)")
     draft_len: int = Field(2, ge=1, description="static k: tokens of each guessed n-gram verified (at most N - 1)")
 
-    def size(self, depth: int) -> int:
+    def verified_guesses(self, exact_tree: bool = True) -> int:
+        """The guesses a step verifies: G, or one where the target scores only a tree's leading chain
+        exactly (a row-invariant target, workers/verify.py): a second guess could then only yield
+        the token its parent's row gives the step anyway."""
+        return self.guesses if exact_tree else min(self.guesses, 1)
+
+    def size(self, depth: int, exact_tree: bool = True) -> int:
         """Draft tokens a step verifies when asked k = depth: the lookahead branch's W (N - 1) and
-        at most G guesses of min(k, N - 1) tokens (fewer where they share a prefix)."""
+        at most `verified_guesses` guesses of min(k, N - 1) tokens (fewer where they share a prefix)."""
         if depth <= 0:
             return 0
-        return self.window * (self.ngram - 1) + self.guesses * min(depth, self.ngram - 1)
+        return self.window * (self.ngram - 1) + self.verified_guesses(exact_tree) * min(depth, self.ngram - 1)
 
 
 class ModelDrafterConfig(_Strict):

@@ -88,7 +88,7 @@ class Generation:
         self.device = self.model.device
         max_len = len(prompt_ids) + params.max_tokens
         self.ctx = DraftContext(list(prompt_ids), params, make_generator(params.seed, self.device), max_len,
-                                num_prompt=len(prompt_ids), domain=domain)
+                                num_prompt=len(prompt_ids), domain=domain, exact_tree=not self.model.batch_invariant)
         self.with_hidden = engine.needs_hidden_states
         if self.with_hidden:
             dtype = getattr(self.model, "dtype", torch.float32)
@@ -353,7 +353,7 @@ class Generation:
         self, logits: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, tree: DraftTree | None,
     ) -> VerifyResult:
         # a row-invariant target scores only the tree's leading chain as plain decoding would (verify.py)
-        exact = tree.leading_chain if tree is not None and self.engine.target.model.batch_invariant else None
+        exact = tree.leading_chain if tree is not None and not self.ctx.exact_tree else None
         if self.params.greedy:
             return (verify_greedy(logits, draft_ids) if tree is None
                     else verify_tree_greedy(logits, draft_ids, tree, exact))

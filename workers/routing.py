@@ -112,9 +112,13 @@ def tree_sizes(engine: SpecEngine) -> dict[str, tuple[int, ...]]:
     step verifies at each k = 0..max_draft_len: what the policy prices its verify forward by (a
     chain verifies k)."""
     sizes = {}
+    exact_tree = not engine.target.model.batch_invariant  # see DraftContext.exact_tree
     for d in engine.config.drafters:
-        if (shape := d if isinstance(d, LookaheadDrafterConfig) else getattr(d, "tree", None)) is not None:
-            sizes[d.name] = tuple(shape.size(k) for k in range(engine.config.max_draft_len + 1))
+        ks = range(engine.config.max_draft_len + 1)
+        if isinstance(d, LookaheadDrafterConfig):
+            sizes[d.name] = tuple(d.size(k, exact_tree) for k in ks)
+        elif (tree := getattr(d, "tree", None)) is not None and exact_tree:  # else it drafts a chain
+            sizes[d.name] = tuple(tree.size(k) for k in ks)
     return sizes
 
 

@@ -25,7 +25,8 @@ bit for bit as plain decoding scores them, and so are a tree's nodes on its lead
 (DraftTree.leading_chain). Any other node sees its ancestors' keys in other places than a chain
 would, which changes its attention's rounding, and bfloat16 products magnify that (up to ~0.25
 logits, measured): its token may still be taken, chosen by its parent's exact row, but the step
-ends there and its own row is never read (`exact_nodes`).
+ends there and its own row is never read (`exact_nodes`). Drafters therefore draft chains for such
+a target (DraftContext.exact_tree), lookahead's window aside.
 """
 
 from __future__ import annotations

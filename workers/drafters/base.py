@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from workers.config import TreeConfig
 from workers.sampling import SamplingParams
 from workers.tree import DraftTree
 
@@ -41,6 +42,15 @@ class DraftContext:
     # the routing domain of a request served as traffic; None (calibration, a bare engine call):
     # drafters that learn from traffic neither read nor feed a domain's memory for it
     domain: str | None = None
+    # the target scores every node of a draft tree as plain decoding would; False on a row-invariant
+    # target, which scores only a tree's leading chain so (workers/verify.py): only that chain can
+    # add tokens past the one the root's row gives
+    exact_tree: bool = True
+
+    def tree_shape(self, tree: TreeConfig | None) -> TreeConfig | None:
+        """The tree a drafter configured with `tree` drafts for this request: none (a chain, which
+        every row scores exactly) where the target scores only a tree's leading chain exactly."""
+        return tree if self.exact_tree else None
 
 
 def token_ids_of(rows: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:

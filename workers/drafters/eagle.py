@@ -267,7 +267,7 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def propose(self, state: EagleState, ctx: DraftContext, k: int) -> Draft:
-        if self.config.tree is None:
+        if ctx.tree_shape(self.config.tree) is None:
             return self.propose_batch([DraftRequest(state, ctx, k)])[0]
         feature = self._catch_up([DraftRequest(state, ctx, k)])[0]
         if feature is None:  # a one-token prompt: no feature yet to draft from
@@ -279,7 +279,7 @@ class EagleDrafter:
         """Chains: one forward catches every request up on its pairs, then each draft position
         runs the layer once for all the requests still drafting (one row each, over its own
         cache). Trees propose request by request."""
-        if self.config.tree is not None:
+        if any(r.ctx.tree_shape(self.config.tree) is not None for r in requests):
             return [self.propose(r.state, r.ctx, r.k) for r in requests]
         features = self._catch_up(requests)
         drafted: list[list[int]] = [[] for _ in requests]

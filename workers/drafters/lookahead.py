@@ -8,7 +8,8 @@ Each step runs two branches beside the step's own token, in the one target forwa
   LookaheadDecoding's 2D mask lets it attend. The target's next token at the top of each column is
   that column's new level; the column's tokens from the bottom up plus that token are an n-gram,
   which goes to the pool under its first token, and the oldest level drops out.
-- the verification branch: up to G n-grams of the pool that follow the step's last token.
+- the verification branch: up to G n-grams of the pool that follow the step's last token (one
+  where the target scores only a tree's leading chain exactly: DraftContext.exact_tree).
 Both are paths from the step's root, so the draft is a tree (workers/tree.py) with the branches
 merged where they share a prefix; the engine verifies the whole tree, losslessly for greedy and
 sampled requests alike (any root path the target agrees with is kept, guesses or window), and
@@ -109,7 +110,7 @@ class LookaheadDrafter:
             return nodes[(parent, token)]
 
         # the verification branch first: a sampled step tries a node's children in order
-        for rest in state.pool.after(root)[: self.config.guesses]:
+        for rest in state.pool.after(root)[: self.config.verified_guesses(ctx.exact_tree)]:
             parent = -1
             for token in rest[: max(1, min(k, self.config.ngram - 1))]:
                 parent = node(parent, token)

@@ -178,7 +178,7 @@ class MedusaDrafter:
     def _draft(self, logits: torch.Tensor, ctx: DraftContext) -> Draft:
         """A request's draft from its heads' logits [k, vocab'], head d for token p + 2 + d."""
         k = logits.shape[0]
-        if (tree := self.config.tree) is not None:
+        if (tree := ctx.tree_shape(self.config.tree)) is not None:
             # head d scores every node at depth d + 1, whatever its parent: Medusa's candidate tree
             lp = log_probs(logits, ctx.params)
             rows_list, shape = grow_tree(lp[0], lambda g, nodes: lp[[g.depth[n] for n in nodes]], k, tree.topk,

@@ -51,7 +51,8 @@ class ModelDrafter:
         self._pool: KVPoolLike | None = None  # made at the first request that can use it
 
     def begin(self, ctx: DraftContext) -> ModelDraftState:
-        if self.config.tree is None and self.max_num_seqs > 1 and isinstance(self.model, BatchedLM):
+        tree = ctx.tree_shape(self.config.tree)
+        if tree is None and self.max_num_seqs > 1 and isinstance(self.model, BatchedLM):
             if self._pool is None:
                 self._pool = self.model.new_pool(self.max_num_seqs, self.slot_capacity)
             # else (more requests than slots: a serial run beside a batch) a cache of its own
@@ -59,11 +60,11 @@ class ModelDrafter:
                 return ModelDraftState(cache=self._pool.allocate())
         # drafts stay inside the request's token budget, so its length bounds the cache too; a
         # tree's levels take up to topk rows per depth past the context
-        extra = self.config.tree.topk * MAX_DRAFT_LEN if self.config.tree is not None else 0
+        extra = tree.topk * MAX_DRAFT_LEN if tree is not None else 0
         return ModelDraftState(cache=self.model.new_cache(min(ctx.max_len + extra, self.model.info.max_position)))
 
     def propose(self, state: ModelDraftState, ctx: DraftContext, k: int) -> Draft:
-        if self.config.tree is None:
+        if ctx.tree_shape(self.config.tree) is None:
             return self._chains([DraftRequest(state, ctx, k)])[0]
         pending = self._pending(state, ctx)
         logits = self.model.forward(pending, state.cache, last_only=True).logits  # [1, vocab]

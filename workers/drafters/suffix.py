@@ -129,7 +129,7 @@ class SuffixDrafter:
         return SuffixState(TokenIndex(self.config.min_n, self.config.max_n))
 
     def propose(self, state: SuffixState, ctx: DraftContext, k: int) -> Draft:
-        tree = self.config.tree
+        tree = ctx.tree_shape(self.config.tree)
         best = self._proposal(state, ctx, k, *((1, None) if tree is None else (tree.topk, tree.nodes)))
         if not best.token_ids:
             return Draft(state.empty)
