@@ -362,9 +362,9 @@ def decode_three_ways(engine: SpecEngine, prompts: list[list[int]], max_tokens: 
 
 
 def chains_where_trees_are_inexact(engine: SpecEngine, drafter: str, k: int, text: str) -> GenerationResult:
-    """A tree drafter's greedy request on a request whose target scores only a tree's leading
-    chain exactly (DraftContext.exact_tree False, as on a row-invariant target): its steps, which
-    must draft chains; the output must still be plain decoding's."""
+    """A tree drafter's greedy request as a target that scores only a tree's leading chain exactly
+    would run it (DraftContext.exact_tree False, as on a row-invariant target): every step must
+    draft a chain, and the output must still be plain decoding's."""
     ids = engine.encode(text)
     params = SamplingParams(max_tokens=24)
     gen = engine.start(ids, params)
