@@ -361,7 +361,7 @@ def decode_three_ways(engine: SpecEngine, prompts: list[list[int]], max_tokens: 
     return Decoded(plain, drafted, [gen.output_ids for gen in gens], lookahead)
 
 
-def chains_where_trees_are_inexact(engine: SpecEngine, drafter: str, k: int, text: str) -> GenerationResult:
+def chains_where_trees_are_inexact(engine: SpecEngine, drafter: str, k: int, text: str) -> None:
     """A tree drafter's greedy request as a target that scores only a tree's leading chain exactly
     would run it (DraftContext.exact_tree False, as on a row-invariant target): every step must
     draft a chain, and the output must still be plain decoding's."""
@@ -375,4 +375,3 @@ def chains_where_trees_are_inexact(engine: SpecEngine, drafter: str, k: int, tex
     gen.close()
     assert result.token_ids == engine.generate(ids, params).token_ids
     assert result.num_draft_tokens > 0 and all(s.num_tree_nodes == 0 for s in result.steps)
-    return result

@@ -88,7 +88,7 @@ class Generation:
         self.device = self.model.device
         max_len = len(prompt_ids) + params.max_tokens
         self.ctx = DraftContext(list(prompt_ids), params, make_generator(params.seed, self.device), max_len,
-                                num_prompt=len(prompt_ids), domain=domain, exact_tree=not self.model.batch_invariant)
+                                num_prompt=len(prompt_ids), domain=domain, exact_tree=engine.exact_tree)
         self.with_hidden = engine.needs_hidden_states
         if self.with_hidden:
             dtype = getattr(self.model, "dtype", torch.float32)
@@ -418,6 +418,9 @@ class SpecEngine:
         self.max_model_len = context_limit(config.target.max_model_len, info.max_position, self.kv_cache_tokens)
         # the target's hidden states are kept per request only when some drafter reads them
         self.needs_hidden_states = any(d.needs_hidden_states for d in drafters.values())
+        # a row-invariant target scores only a draft tree's leading chain as plain decoding would
+        # (workers/verify.py): every request's DraftContext.exact_tree
+        self.exact_tree = not target.model.batch_invariant
         self.learners = [d for d in drafters.values() if isinstance(d, TrafficLearner)]
         self.logits_readers = {name for name, d in drafters.items() if isinstance(d, LogitsReader)}
 

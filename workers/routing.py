@@ -112,7 +112,7 @@ def tree_sizes(engine: SpecEngine) -> dict[str, tuple[int, ...]]:
     step verifies at each k = 0..max_draft_len: what the policy prices its verify forward by (a
     chain verifies k)."""
     sizes = {}
-    exact_tree = not engine.target.model.batch_invariant  # see DraftContext.exact_tree
+    exact_tree = engine.exact_tree
     for d in engine.config.drafters:
         ks = range(engine.config.max_draft_len + 1)
         if isinstance(d, LookaheadDrafterConfig):
