@@ -9,13 +9,18 @@ tokens (policies/cost.py), so the batch's goodput is
     G(k) = sum_i E_i(k_i) / (T(P + sum_i rows_i(k_i)) + sum_i k_i d_i),
 with P the rows of prompt chunks in the step, rows_i(k) = 1 + m_i v_i(k) (m_i the drafter's
 propose rate, v_i(k) the tokens a draft of depth k verifies: k for a chain, a tree's size), d_i
-its seconds per draft token. `allocate` starts every sequence at k = 0 (plain) and repeatedly
-applies the single extension, one sequence to a larger k up to its cap, that raises G the most,
-until none does (SmartSpec's and vLLM's adaptive rule, per sequence). Draft positions are thus
-admitted by their acceptance against their marginal cost: with a small batch on a step curve
-that is flat in rows, drafting pays; in a big batch every row costs its share of the weights'
-reading and drafting stops, for a sequence or for all, without a hard batch-size switch.
-Alone (one sequence, no prompt chunk) the rule reduces to the request's own best k.
+its seconds per draft token. `allocate` ranks every sequence's next draft position by its
+expected tokens per second of price (acceptance over rows at the batch's mean row price, plus
+drafting), admits positions in that order, and keeps the admitted prefix with the highest G.
+A greedy rule that stops where no single extension raises G would stall on a staircase: a
+kernel that computes rows in blocks (torch's int4 CPU kernel: 4 rows) makes the first row of a
+block dear and the next ones nearly free, so only a whole block pays; walking the ranking to
+its end sees that (tests/test_batching_policy.py holds it to an exhaustive search on such a
+curve). Draft positions are thus admitted by their acceptance against their cost:
+with a small batch on a step curve that is flat in rows, drafting pays; in a big batch every row
+costs its share of the weights' reading and drafting stops, for a sequence or for all, without
+a hard batch-size switch. Alone (one sequence, no prompt chunk) the rule reduces to the
+request's own best k.
 
 `BatchCost` is T: measured once at start (router calibration) and rescaled live by the ratio
 of measured to predicted step times. Pure functions and value types: no clock, no I/O.
@@ -24,10 +29,12 @@ of measured to predicted step times. Pure functions and value types: no clock, n
 from __future__ import annotations
 
 import bisect
+import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from policies.cost import expected_rows, expected_tokens
+from policies.cost import expected_rows
 
 MIN_GAIN = 1e-3  # relative goodput gain an extension must bring (no churn on float noise)
 
@@ -77,29 +84,37 @@ class DraftOption:
 
 def allocate(options: Sequence[DraftOption | None], cost: BatchCost, prefill_rows: int = 0) -> list[int]:
     """The k of each sequence (None: it decodes plainly) maximising the batch's expected tokens
-    per second, by greedy single extensions (see the module doc)."""
+    per second over the draft positions admitted in rank order (see the module doc)."""
     ks = [0] * len(options)
     tokens = float(len(options))
     rows = float(prefill_rows + len(options))
     draft_s = 0.0
-    goodput = tokens / cost.step_s(rows)
-    while True:
-        best: tuple[float, int, int] | None = None  # (goodput, sequence, k)
-        for i, opt in enumerate(options):
-            if opt is None:
-                continue
-            e0, r0, d0 = expected_tokens(opt.prefix, ks[i]), opt.rows(ks[i]), ks[i] * opt.draft_s_per_token
-            for k in range(ks[i] + 1, opt.max_k + 1):
-                t = tokens + expected_tokens(opt.prefix, k) - e0
-                s = cost.step_s(rows + opt.rows(k) - r0) + draft_s + k * opt.draft_s_per_token - d0
-                if s > 0 and (best is None or t / s > best[0]):
-                    best = (t / s, i, k)
-        if best is None or best[0] <= goodput * (1.0 + MIN_GAIN):
-            return ks
-        goodput, i, k = best
+    best_goodput, best_ks = tokens / cost.step_s(rows), list(ks)
+    extra = sum(opt.rows(opt.max_k) - 1.0 for opt in options if opt is not None)
+    row_price = (cost.step_s(rows + extra) - cost.step_s(rows)) / extra if extra > 0 else 0.0
+
+    ranked: list[tuple[float, int]] = []  # (-tokens per second of price, sequence): its next position
+
+    def rank(i: int) -> None:
+        opt = options[i]
+        if opt is None or ks[i] >= opt.max_k:
+            return
+        price = (opt.rows(ks[i] + 1) - opt.rows(ks[i])) * row_price + opt.draft_s_per_token
+        heapq.heappush(ranked, (-opt.prefix[ks[i]] / price if price > 0 else -math.inf, i))
+
+    for i in range(len(options)):
+        rank(i)
+    while ranked:
+        _, i = heapq.heappop(ranked)
         opt = options[i]
         assert opt is not None
-        tokens += expected_tokens(opt.prefix, k) - expected_tokens(opt.prefix, ks[i])
-        rows += opt.rows(k) - opt.rows(ks[i])
-        draft_s += (k - ks[i]) * opt.draft_s_per_token
-        ks[i] = k
+        k = ks[i]
+        tokens += opt.prefix[k]
+        rows += opt.rows(k + 1) - opt.rows(k)
+        draft_s += opt.draft_s_per_token
+        ks[i] = k + 1
+        goodput = tokens / (cost.step_s(rows) + draft_s)
+        if goodput > best_goodput * (1.0 + MIN_GAIN):
+            best_goodput, best_ks = goodput, list(ks)
+        rank(i)
+    return best_ks

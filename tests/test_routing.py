@@ -24,7 +24,15 @@ from policies.stats import MemoryStats, RedisStats
 from workers.config import ModelDrafterConfig, TreeConfig
 from workers.drafters.registry import build_drafter
 from workers.engine import RequestError, SpecEngine
-from workers.routing import RoutedGeneration, Router, Speculation, generate, measure_costs
+from workers.routing import (
+    BATCH_COST_DENSE_ROWS,
+    RoutedGeneration,
+    Router,
+    Speculation,
+    generate,
+    measure_batch_cost,
+    measure_costs,
+)
 from workers.sampling import SamplingParams
 
 TEXTS = [
@@ -276,6 +284,23 @@ def test_measured_costs_wait_for_the_device(tiny_engine: SpecEngine, monkeypatch
     costs = measure_costs(tiny_engine, context_len=16, repeats=1)
     assert len(waits) == 2 * len(costs.verify_s)  # a warm-up round and one timed round
     assert min(costs.verify_s) >= 0.01
+
+
+def test_the_batch_cost_is_measured_at_every_row_count_of_a_staircase(
+    tiny_engine: SpecEngine, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every row count up to the dense limit (a kernel's row blocks make the curve a staircase the
+    goodput rule prices block by block), then doubling up to the scheduler's budget; each timed
+    forward waits for the device; the curve never falls as rows grow."""
+    waits = slow_device_waits(monkeypatch, "workers.routing", 0.002)
+    cost = measure_batch_cost(tiny_engine, context_len=16, repeats=1)
+    top = tiny_engine.config.scheduler.max_num_batched_tokens
+    assert cost.rows[:BATCH_COST_DENSE_ROWS] == tuple(range(1, BATCH_COST_DENSE_ROWS + 1))
+    assert cost.rows[BATCH_COST_DENSE_ROWS:] == (64, 128, 256)[: len(cost.rows) - BATCH_COST_DENSE_ROWS]
+    assert cost.rows[-1] == top
+    assert list(cost.seconds) == sorted(cost.seconds) and min(cost.seconds) >= 0.002
+    warm_up = [n for n in cost.rows if n & (n - 1) == 0 or n == top]
+    assert len(waits) == len(warm_up) + len(cost.rows)
 
 
 def test_a_tree_drafter_is_priced_by_the_tokens_it_verifies(tiny_engine: SpecEngine) -> None:

@@ -78,12 +78,17 @@ def measure_costs(engine: SpecEngine, context_len: int = 64, repeats: int = 3) -
     return CostTable(tuple(best), measure_draft_costs(engine, ids[:context_len].tolist(), repeats), tree_sizes(engine))
 
 
-BATCH_COST_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # rows the batch cost curve is measured at
+# rows the batch cost curve is measured at: every count up to BATCH_COST_DENSE_ROWS (a kernel that
+# computes rows in blocks makes the curve a staircase: with torch's int4 CPU kernel, 4 rows a block,
+# a step's 5th row costs ~35% of a plain step and each of the next three ~6%), then doubling
+BATCH_COST_DENSE_ROWS = 48
+BATCH_COST_ROWS = (*range(1, BATCH_COST_DENSE_ROWS + 1), 64, 128, 256, 512)
 
 
 def measure_batch_cost(engine: SpecEngine, context_len: int = 64, repeats: int = 2) -> BatchCost:
     """T(rows): the best of `repeats` target forwards over n rows after a `context_len`-token
-    prefix, for n up to the scheduler's token budget (and the largest verify a step may run)."""
+    prefix, for n up to the scheduler's token budget (and the largest verify a step may run),
+    made non-decreasing (a slow outlier takes the time of a larger n)."""
     model = engine.target.model
     top = max(engine.config.scheduler.max_num_batched_tokens, engine.config.max_draft_len + 1)
     rows = [n for n in BATCH_COST_ROWS if n < top] + [top]
@@ -91,14 +96,24 @@ def measure_batch_cost(engine: SpecEngine, context_len: int = 64, repeats: int =
     ids = torch.arange(context_len + top, device=model.device) * 7919 % model.info.vocab_size
     cache = model.new_cache(context_len + top)
     model.forward(ids[:context_len], cache, last_only=True)
+
+    def forward_s(n: int) -> float:
+        t0 = time.perf_counter()
+        model.forward(ids[context_len : context_len + n], cache)
+        synchronize(model.device)
+        elapsed = time.perf_counter() - t0
+        cache.truncate(context_len)
+        return elapsed
+
+    for n in rows:  # warm up every kernel: the powers of two run the same ones as the counts between
+        if n & (n - 1) == 0 or n == top:
+            forward_s(n)
     best = [float("inf")] * len(rows)
-    for _ in range(repeats + 1):  # the first round warms up
+    for _ in range(repeats):
         for i, n in enumerate(rows):
-            t0 = time.perf_counter()
-            model.forward(ids[context_len : context_len + n], cache)
-            synchronize(model.device)
-            best[i] = min(best[i], time.perf_counter() - t0)
-            cache.truncate(context_len)
+            best[i] = min(best[i], forward_s(n))
+    for i in range(len(best) - 2, -1, -1):
+        best[i] = min(best[i], best[i + 1])
     return BatchCost(tuple(rows), tuple(best))
 
 
