@@ -96,8 +96,13 @@ class StepController:
         self.fallback_allowed = allow_plain and PLAIN in dp.drafters
         self._prior = {name: _request_prior(est) for name, est in plan.estimates.items()}
         self._local = {name: _Local() for name in self._prior}
-        self._estimates: dict[str, Acceptance] = {}  # of this step: observations clear it
-        self._ranked: list[ArmValue] | None = None  # likewise
+        # derived from the estimates, per drafter: an observation clears only its drafter's (a
+        # step changes one or two of them, and re-pricing every arm every step is the
+        # controller's main cost in a batch of many requests)
+        self._estimates: dict[str, Acceptance] = {}
+        self._arms: dict[str, ArmValue] = {}
+        self._given: dict[str, BestDraftLen | None] = {}  # a cheap drafter's arm given it proposes
+        self._ranked: list[ArmValue] | None = None  # of every arm; any change clears it
         self._disabled: set[str] = set()
         self.current = StepChoice(plan.drafter, plan.draft_len, plan.reason, plan.predicted_speedup)
         self.plain = plan.drafter == PLAIN
@@ -116,8 +121,7 @@ class StepController:
         for name, est in plan.estimates.items():
             if name in self._prior:
                 self._prior[name] = _request_prior(est)
-        self._estimates.clear()
-        self._ranked = None
+        self._forget()
 
     def knows(self, drafter: str) -> bool:
         """Whether this request has an acceptance estimate for `drafter` (its plan's candidates)."""
@@ -135,17 +139,39 @@ class StepController:
         return self._ranked
 
     def _rank(self) -> list[ArmValue]:
-        arms = []
-        for name in self._prior:
-            if name in self._disabled:
-                continue
+        arms = [self._arm(name) for name in self._prior if name not in self._disabled]
+        return sorted(arms, key=lambda a: -a.predicted_speedup)
+
+    def _arm(self, name: str) -> ArmValue:
+        if name not in self._arms:
             est = self.estimate(name)
             costs = self.costs.for_estimate(name, est)
             best = best_draft_len(est.prefix, costs, self.dp.k_min, self.dp.k_max)
             if best.draft_len == 0 and not self.fallback_allowed:  # no plain to fall back to: draft least
                 best = BestDraftLen(self.dp.k_min, predicted_speedup(est.prefix, self.dp.k_min, costs))
-            arms.append(ArmValue(name, best.draft_len, best.speedup, best.speedup, est.weight[0]))
-        return sorted(arms, key=lambda a: -a.predicted_speedup)
+            self._arms[name] = ArmValue(name, best.draft_len, best.speedup, best.speedup, est.weight[0])
+        return self._arms[name]
+
+    def _given_arm(self, name: str) -> BestDraftLen | None:
+        """A cheap drafter's best k and speedup given that it proposes (None: it never has)."""
+        if name not in self._given:
+            est = self.estimate(name)
+            arm = None
+            if est.proposes > 0:
+                given = tuple(min(1.0, p / est.proposes) for p in est.prefix)
+                reach = None if est.proposed is None else tuple(min(1.0, r / est.proposes) for r in est.proposed)
+                arm = best_draft_len(given, self.costs.for_drafter(name, 1.0, reach), self.dp.k_min, self.dp.k_max)
+            self._given[name] = arm
+        return self._given[name]
+
+    def _forget(self, drafter: str | None = None) -> None:
+        """Drop what was derived from `drafter`'s estimate (None: every drafter's)."""
+        for derived in (self._estimates, self._arms, self._given):
+            if drafter is None:
+                derived.clear()
+            else:
+                derived.pop(drafter, None)
+        self._ranked = None
 
     def next(self) -> StepChoice:
         choice = self._next()
@@ -189,13 +215,8 @@ class StepController:
         for name in sorted(self.cheap):
             if name not in self._prior or name in self._disabled:
                 continue
-            est = self.estimate(name)
-            if est.proposes <= 0:
-                continue
-            given = tuple(min(1.0, p / est.proposes) for p in est.prefix)
-            reach = None if est.proposed is None else tuple(min(1.0, r / est.proposes) for r in est.proposed)
-            arm = best_draft_len(given, self.costs.for_drafter(name, 1.0, reach), self.dp.k_min, self.dp.k_max)
-            if arm.draft_len:
+            arm = self._given_arm(name)
+            if arm is not None and arm.draft_len:
                 given_arms.append((name, arm))
         if not given_arms:
             return choice
@@ -232,14 +253,12 @@ class StepController:
             self.fallbacks.append(DRAFTER_ERROR)
         if drafter in self._local:
             self._local[drafter].add(0, num_proposed, num_accepted)
-            self._estimates.pop(drafter, None)
-            self._ranked = None
+            self._forget(drafter)
 
     def observe_shadow(self, drafter: str, start: int, num_proposed: int, num_accepted: int) -> None:
         if drafter in self._local:
             self._local[drafter].add(start, num_proposed, num_accepted)
-            self._estimates.pop(drafter, None)
-            self._ranked = None
+            self._forget(drafter)
 
 
 def _request_prior(estimate: Acceptance) -> Acceptance:
