@@ -16,11 +16,11 @@ A greedy rule that stops where no single extension raises G would stall on a sta
 kernel that computes rows in blocks (torch's int4 CPU kernel: 4 rows) makes the first row of a
 block dear and the next ones nearly free, so only a whole block pays; walking the ranking to
 its end sees that (tests/test_batching_policy.py holds it to an exhaustive search on such a
-curve). Draft positions are thus admitted by their acceptance against their cost:
-with a small batch on a step curve that is flat in rows, drafting pays; in a big batch every row
-costs its share of the weights' reading and drafting stops, for a sequence or for all, without
-a hard batch-size switch. Alone (one sequence, no prompt chunk) the rule reduces to the
-request's own best k.
+curve). Draft positions are thus admitted by their acceptance against their cost: with a small
+batch on a step curve that is flat in rows, drafting pays; in a big batch every row costs its
+share of the weights' reading and drafting stops, for a sequence or for all, without a hard
+batch-size switch. Alone (one sequence, no prompt chunk) the rule reduces to the request's own
+best k.
 
 `BatchCost` is T: measured once at start (router calibration) and rescaled live by the ratio
 of measured to predicted step times. Pure functions and value types: no clock, no I/O.

@@ -80,7 +80,7 @@ def measure_costs(engine: SpecEngine, context_len: int = 64, repeats: int = 3) -
 
 # rows the batch cost curve is measured at: every count up to BATCH_COST_DENSE_ROWS (a kernel that
 # computes rows in blocks makes the curve a staircase: with torch's int4 CPU kernel, 4 rows a block,
-# a step's 5th row costs ~35% of a plain step and each of the next three ~6%), then doubling
+# a step's 5th row costs a third of a plain step and each of the next three ~5%), then doubling
 BATCH_COST_DENSE_ROWS = 48
 BATCH_COST_ROWS = (*range(1, BATCH_COST_DENSE_ROWS + 1), 64, 128, 256, 512)
 
