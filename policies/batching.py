@@ -22,8 +22,9 @@ share of the weights' reading and drafting stops, for a sequence or for all, wit
 batch-size switch. Alone (one sequence, no prompt chunk) the rule reduces to the request's own
 best k.
 
-`BatchCost` is T: measured once at start (router calibration) and rescaled live by the ratio
-of measured to predicted step times. Pure functions and value types: no clock, no I/O.
+`BatchCost` is T: measured once at start (router calibration) on one sequence's rows, and
+shifted live, per batch size, by what the steps of that size took beyond it (a unitless prior
+curve is scaled instead; workers/routing.py). Pure functions and value types: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ class BatchCost:
 
     def scaled(self, factor: float) -> BatchCost:
         return BatchCost(self.rows, tuple(t * factor for t in self.seconds))
+
+    def shifted(self, offset: float) -> BatchCost:
+        """Every row count's seconds plus `offset` (never below half the one-row step)."""
+        offset = max(offset, -0.5 * self.seconds[0])
+        return BatchCost(self.rows, tuple(t + offset for t in self.seconds))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ def test_batch_cost_interpolates_and_extends_along_the_last_slope() -> None:
     assert cost.step_s(1) == 1.0 and cost.step_s(0) == 1.0
     assert cost.step_s(5) == pytest.approx(1.8)
     assert cost.step_s(14) == pytest.approx(3.6)  # 0.2 a row past the last point
-    assert cost.scaled(2.0).step_s(2) == pytest.approx(2.4)
+    assert cost.shifted(0.5).step_s(2) == pytest.approx(1.7)
+    assert cost.shifted(-2.0).step_s(1) == pytest.approx(0.5)  # never below half the one-row step
     with pytest.raises(ValueError):
         BatchCost((2, 1), (1.0, 1.0))
 

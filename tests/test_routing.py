@@ -26,6 +26,7 @@ from workers.drafters.registry import build_drafter
 from workers.engine import RequestError, SpecEngine
 from workers.routing import (
     BATCH_COST_DENSE_ROWS,
+    RoutedBatch,
     RoutedGeneration,
     Router,
     Speculation,
@@ -301,6 +302,43 @@ def test_the_batch_cost_is_measured_at_every_row_count_of_a_staircase(
     assert list(cost.seconds) == sorted(cost.seconds) and min(cost.seconds) >= 0.002
     warm_up = [n for n in cost.rows if n & (n - 1) == 0 or n == top]
     assert len(waits) == len(warm_up) + len(cost.rows)
+
+
+def test_a_routed_batch_shifts_the_cost_curve_per_batch_size(tiny_engine: SpecEngine) -> None:
+    """A batch's step costs the measured one-sequence curve plus what steps of its size took
+    beyond it (a draft row barely changes a batch's attention): the first step of a size sets its
+    offset, a size not seen yet takes the nearest one's; routed outputs stay plain decoding's."""
+    measured = measure_batch_cost(tiny_engine, context_len=16, repeats=1)
+    router = Router(tiny_engine, load_policy(policy_dict()), MemoryStats(), seed=0, batch_cost=measured)
+    batch = RoutedBatch(router)
+    running = [batch.add(tiny_engine.encode(t), greedy(16), t) for t in TEXTS[:3]]
+    assert batch.step_cost(3) is measured  # nothing seen yet
+    first: dict[int, float] = {}
+    while batch.num_running or batch.num_waiting:
+        step = batch.step()
+        n = len(step.stats)
+        if n and n not in first:
+            first[n] = step.batch.forward_s - measured.step_s(step.batch.num_rows)
+            assert batch.cost_offsets[n] == pytest.approx(first[n])
+    assert first and set(batch.cost_offsets) == set(first)
+    n = max(first)
+    offset = max(batch.cost_offsets[n], -0.5 * measured.seconds[0])
+    assert batch.step_cost(n).step_s(7) == pytest.approx(measured.step_s(7) + offset)
+    assert batch.step_cost(n + 5).step_s(7) == pytest.approx(batch.step_cost(n).step_s(7))
+    for routed, text in zip(running, TEXTS[:3]):
+        assert routed.result().token_ids == plain_ids(tiny_engine, text, 16)
+        routed.close()
+
+
+def test_a_routed_batch_scales_the_unitless_prior_to_seconds(router: Router) -> None:
+    batch = RoutedBatch(router)
+    running = [batch.add(router.engine.encode(t), greedy(8), t) for t in TEXTS[:2]]
+    while batch.num_running or batch.num_waiting:
+        batch.step()
+    assert not batch.cost_offsets and batch.cost_scale < 0.5  # the prior's plain step is 1 (second)
+    assert batch.step_cost(2).step_s(3) == pytest.approx(router.batch_cost.step_s(3) * batch.cost_scale)
+    for routed in running:
+        routed.close()
 
 
 def test_a_tree_drafter_is_priced_by_the_tokens_it_verifies(tiny_engine: SpecEngine) -> None:
