@@ -31,6 +31,7 @@ from policies.selector import FORCED, Features, Plan, decide, forced_plan
 from policies.stats import StatsStore
 from workers.batch import BatchEngine, BatchStep
 from workers.config import PLAIN, LookaheadDrafterConfig, RoutingConfig
+from workers.drafters.base import drafted_tree
 from workers.drafters.remote import RemoteDrafter
 from workers.engine import Generation, SpecEngine, StepOrder
 from workers.models.base import synchronize
@@ -132,7 +133,7 @@ def tree_sizes(engine: SpecEngine) -> dict[str, tuple[int, ...]]:
         ks = range(engine.config.max_draft_len + 1)
         if isinstance(d, LookaheadDrafterConfig):
             sizes[d.name] = tuple(d.size(k, exact_tree) for k in ks)
-        elif (tree := getattr(d, "tree", None)) is not None and exact_tree:  # else it drafts a chain
+        elif (tree := drafted_tree(getattr(d, "tree", None), exact_tree)) is not None:
             sizes[d.name] = tuple(tree.size(k) for k in ks)
     return sizes
 

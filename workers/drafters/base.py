@@ -48,9 +48,14 @@ class DraftContext:
     exact_tree: bool = True
 
     def tree_shape(self, tree: TreeConfig | None) -> TreeConfig | None:
-        """The tree a drafter configured with `tree` drafts for this request: none (a chain, which
-        every row scores exactly) where the target scores only a tree's leading chain exactly."""
-        return tree if self.exact_tree else None
+        """The tree a drafter configured with `tree` drafts for this request (`drafted_tree`)."""
+        return drafted_tree(tree, self.exact_tree)
+
+
+def drafted_tree(tree: TreeConfig | None, exact_tree: bool) -> TreeConfig | None:
+    """The tree a drafter configured with `tree` drafts: none (a chain, which every row scores
+    exactly) where the target scores only a tree's leading chain exactly."""
+    return tree if exact_tree else None
 
 
 def token_ids_of(rows: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
