@@ -22,6 +22,8 @@ import workers.engine as engine_module
 from bench.verify_cost import weight_bytes
 from workers.config import ModelConfig, TargetConfig
 from workers.engine import SpecEngine
+from workers.models.base import SeqInput
+from workers.models.llama import KeySpan, _additive, _whole_blocks, invariant_key_span
 from workers.models.quant import GROUP_SIZE, Int4Linear, Int4Weight, read_gguf_int4
 from workers.routing import tree_sizes
 from workers.sampling import SamplingParams
@@ -172,3 +174,65 @@ def test_the_bandwidth_floor_counts_the_int4_bytes_a_step_reads(int4_engine: Spe
                  for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
     assert 60e6 < layers < 75e6
     assert weight_bytes(model) == pytest.approx(head + layers, rel=0.01)  # norms are the rest
+
+
+def test_a_key_span_cuts_the_last_key_block_to_its_granule_up_to_its_limit() -> None:
+    span = KeySpan(granule=16, limit=256)
+    assert [span.keys(n) for n in (1, 16, 17, 250, 256, 257, 512, 513, 700, 769, 1024)] == [
+        16, 16, 32, 256, 256, 512, 512, 528, 704, 1024, 1024]
+    assert [KeySpan().keys(n) for n in (1, 512, 513)] == [512, 512, 1024]  # whole blocks
+
+
+def test_the_probed_key_span_computes_every_row_as_whole_key_blocks_do() -> None:
+    """On other data than the probe's and SmolLM2's grouped attention shape (3 key/value heads,
+    9 query rows: 3 tokens): rows whose calls read their keys cut as the span says, read whole
+    blocks, or read a longer sequence's keys in a batch, bit for bit the same, at every length."""
+    cpu = torch.device("cpu")
+    span = invariant_key_span(3, 64, torch.float32, cpu)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 3, 9, 64, generator=gen)
+    k, v = (torch.randn(1, 3, 1536, 64, generator=gen) for _ in range(2))
+
+    def rows(end: int, keys: int) -> torch.Tensor:
+        visible = (torch.arange(9) // 3 + end - 2).clamp(min=1)  # a 3-token causal step ending at `end`
+        mask = _additive(torch.arange(keys) < visible[:, None], torch.float32)
+        return torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :keys], v[:, :, :keys], attn_mask=mask)
+
+    for end in range(1, 1100, 3):
+        keys = span.keys(end)
+        assert end <= keys <= _whole_blocks(end)
+        cut = rows(end, keys)
+        assert torch.equal(cut, rows(end, _whole_blocks(end))), end
+        assert torch.equal(cut, rows(end, 1536)), end
+
+
+def test_int4_hidden_states_are_the_same_with_keys_cut_or_in_whole_blocks(
+    int4_engine: SpecEngine, int4_prompts: list[list[int]],
+) -> None:
+    """The target reads its keys cut as its probed span says (a short prompt's step reads its
+    own length rounded to the granule): every hidden state, alone and in a batch beside a long
+    summary, bit for bit as over whole key blocks."""
+    model = int4_engine.target.model
+    probed = model.key_span
+
+    def hidden(span: KeySpan) -> list[torch.Tensor]:
+        model.key_span = span
+        try:
+            out = []
+            for prompt in int4_prompts:
+                cache = model.new_cache(1024)
+                out.append(model.forward(torch.tensor(prompt), cache, return_hidden=True).hidden)
+            pool = model.new_pool(len(int4_prompts), 1024)
+            caches = [pool.allocate() for _ in int4_prompts]
+            heads = [SeqInput(torch.tensor(p[:-3]), c, "none") for p, c in zip(int4_prompts, caches)]
+            model.forward_batch(heads)
+            tails = [SeqInput(torch.tensor(p[-3:]), c, "all") for p, c in zip(int4_prompts, caches)]
+            return out + [o.hidden for o in model.forward_batch(tails, return_hidden=True)]
+        finally:
+            model.key_span = probed
+
+    lengths = sorted(len(p) for p in int4_prompts)
+    assert probed.keys(lengths[0]) < _whole_blocks(lengths[0]) or probed == KeySpan()  # a cut is read where one holds
+    assert lengths[-1] > 256  # the batch holds a long sequence beside the short ones
+    for cut, whole in zip(hidden(probed), hidden(KeySpan()), strict=True):
+        assert torch.equal(cut, whole)

@@ -169,7 +169,7 @@ _MADV_DONTNEED = 4  # <sys/mman.h>: private anonymous pages are freed and read b
 def _zero_(t: torch.Tensor) -> torch.Tensor:
     """Zero a contiguous tensor; on a Linux CPU by handing its whole pages back to the system,
     which then read as the kernel's one shared zero page until written: no resident memory, and
-    reading them (attention's masked padding keys, see _INVARIANT_KEY_BLOCK) costs no memory
+    reading them (attention's masked padding keys, see KeySpan) costs no memory
     traffic. The partial pages at either end, and any tensor elsewhere, are zeroed in place."""
     if _LIBC is None or t.device.type != "cpu" or not t.is_contiguous():
         return t.zero_()
@@ -338,6 +338,8 @@ class FastLlama:
         # attention calls of the grouped layout (_grouped) have num_kv_heads heads
         self.min_queries = (invariant_min_queries(self.num_kv_heads, self.head_dim, self.dtype, self.device)
                             if self.batch_invariant else 1)
+        self.key_span = (invariant_key_span(self.num_kv_heads, self.head_dim, self.dtype, self.device)
+                         if self.batch_invariant else KeySpan())
         self.eps = cfg.rms_norm_eps
 
         def product(*names: str) -> Product:  # one product over the weights stacked
@@ -403,8 +405,8 @@ class FastLlama:
     def _cache_capacity(self, capacity: int) -> int:
         if capacity > self.info.max_position:
             raise ValueError(f"cache capacity {capacity} exceeds the model's {self.info.max_position} positions")
-        if self.batch_invariant:  # whole key blocks (see _INVARIANT_KEY_BLOCK)
-            capacity = min(_key_span(capacity), self.info.max_position)
+        if self.batch_invariant:  # room for any call's keys (see KeySpan)
+            capacity = min(_whole_blocks(capacity), self.info.max_position)
         return capacity
 
     @torch.inference_mode()
@@ -464,10 +466,11 @@ class FastLlama:
     ) -> ForwardOutput:
         """`forward` computing every row as it would be computed alone, in a chain or in a batch:
         the grouped layout, whole key blocks (zeros past the end, masked) and query blocks of
-        >= min_queries rows (see invariant_min_queries, _query_blocks_invariant)."""
+        >= min_queries rows (see invariant_min_queries, _query_blocks_invariant), keys cut as
+        `key_span` says (zeros past the end, masked)."""
         n, start = input_ids.shape[0], cache.length
         end = start + n
-        keys = min(_key_span(end), cache.capacity)
+        keys = min(self.key_span.keys(end), cache.capacity)
         rows = self.group * n
         pad = next(r for r in itertools.count(rows) if _query_blocks_invariant(r, self.min_queries)) - rows
         mask = _additive(F.pad(mask, (0, keys - end)), self.dtype).repeat_interleave(self.group, 0)  # [rows, keys]
@@ -556,9 +559,10 @@ class FastLlama:
         rope = torch.cat([s.cache.length + (s.tree.input_offsets() if s.tree is not None else torch.arange(n))
                           for s, n in zip(batch, lens)]).to(dev)
         cos, sin = self.cos[rope, None], self.sin_signed[rope, None]  # [N, 1, d]
-        pad = {"min_queries": self.min_queries, "max_keys": pool.capacity} if self.batch_invariant else {}
+        pad = ({"min_queries": self.min_queries, "key_span": self.key_span, "max_keys": pool.capacity}
+               if self.batch_invariant else {})
         groups = [_AttnGroup.of([(batch[b], bounds[b]) for b in members], dev, self.dtype, self.group, **pad)
-                  for members in _attention_groups(batch)]
+                  for members in _attention_groups(batch, self.key_span if self.batch_invariant else None)]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pool.k[i, row_slot, :, store] = k  # [N, nkv, d] into (slot, position) pairs
@@ -619,11 +623,10 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # CPU SDPA computes a query row bit for bit the same whatever the call's other rows, batch and
 # masked key padding, when the mask is explicit, the call has enough query rows (its products take
 # other kernels below a row count that depends on the CPU: 3 on one machine, 4 on another; see
-# invariant_min_queries) and the keys come in whole blocks of 512 (it sums a row's scores block by
-# block, a shorter call in one block of its own length): torch 2.13, tests/test_quant.py. The
-# quantized path relies on it: rounding each product's input to bfloat16 would turn attention's
-# float32 rounding differences into ~0.5-logit ones.
-_INVARIANT_KEY_BLOCK = 512
+# invariant_min_queries) and its keys are cut the same way (see KeySpan): torch 2.13,
+# tests/test_quant.py. The quantized path relies on it: rounding each product's input to bfloat16
+# would turn attention's float32 rounding differences into ~0.5-logit ones.
+_INVARIANT_KEY_BLOCK = 512  # SDPA sums a row's scores over blocks of this many keys
 _MIN_QUERY_CANDIDATES = (3, 4, 6, 8, 12, 16)
 _SPLIT_QUERIES = 32  # SDPA splits a call's queries into blocks of this many (below 192 rows)
 
@@ -660,9 +663,63 @@ def _query_blocks_invariant(rows: int, min_queries: int) -> bool:
     return rows >= min_queries and not 0 < rows % split < min_queries
 
 
-def _key_span(end: int) -> int:
-    """Keys read for `end` visible ones: whole blocks."""
+def _whole_blocks(end: int) -> int:
     return -(-end // _INVARIANT_KEY_BLOCK) * _INVARIANT_KEY_BLOCK
+
+
+@dataclass(frozen=True)
+class KeySpan:
+    """How many keys a row-invariant attention call reads for `end` visible ones. SDPA cuts a
+    call's keys into blocks of 512 from the first; a row's result depends on the length of the
+    block its keys end in, not on masked keys past them, as long as that last block is either
+    whole or a multiple of `granule` keys no longer than `limit` (torch 2.13 on AVX-512: 16 and
+    256; a shorter call is one short block, which then computes a row the same as a whole one).
+    So a call reads its longest member's keys rounded up to such a block, not to a whole one: a
+    256-token context reads 256 keys where whole blocks would read 512, and every row it holds,
+    whatever its own length, comes out as it would alone. Probed per machine
+    (`invariant_key_span`); `whole blocks` (granule = limit = 512) where no finer cut holds."""
+
+    granule: int = _INVARIANT_KEY_BLOCK
+    limit: int = _INVARIANT_KEY_BLOCK
+
+    def keys(self, end: int) -> int:
+        whole, rest = divmod(end, _INVARIANT_KEY_BLOCK)
+        if rest > self.limit:
+            return (whole + 1) * _INVARIANT_KEY_BLOCK
+        return whole * _INVARIANT_KEY_BLOCK + -(-rest // self.granule) * self.granule
+
+
+_KEY_SPAN_CANDIDATES = tuple((g, limit) for limit in (256, 128, 64) for g in (8, 16, 32, 64) if g <= limit)
+
+
+@functools.cache
+def invariant_key_span(num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> KeySpan:
+    """The finest cut of a call's keys (KeySpan) from which this machine's SDPA computes every row
+    as it does over whole blocks: every last block a cut allows, first or second, with rows seeing
+    all of it, part of it and a single key of it, against the same rows over whole blocks;
+    probed once per shape, on random data, in milliseconds."""
+    gen = torch.Generator().manual_seed(0)
+    block = _INVARIANT_KEY_BLOCK
+    q, k, v = (torch.randn(1, num_heads, n, head_dim, generator=gen).to(device, dtype)
+               for n in (6, 2 * block, 2 * block))
+
+    def rows(keys: int, visible: list[int]) -> torch.Tensor:
+        mask = torch.arange(keys, device=device) < torch.tensor(visible, device=device)[:, None]
+        return F.scaled_dot_product_attention(q[:, :, : len(visible)], k[:, :, :keys], v[:, :, :keys],
+                                              attn_mask=_additive(mask, dtype))
+
+    def holds(granule: int, limit: int) -> bool:
+        for last in range(granule, limit + 1, granule):
+            for before in (0, block):
+                visible = [before + n for n in (last, last - granule + 1, last // 2 + 1, 1, last, last - 1)]
+                if not torch.equal(rows(before + last, visible), rows(before + block, visible)):
+                    return False
+        return True
+
+    for granule, limit in _KEY_SPAN_CANDIDATES:
+        if holds(granule, limit):
+            return KeySpan(granule, limit)
+    return KeySpan()
 
 # An attention call's fixed cost in key rows read (measured on the 2-core CPU: ~20 us a call
 # against ~0.13 us a key row of all heads): what grouping two sequences must save to pay.
@@ -670,15 +727,17 @@ _CALL_COST_ROWS = 160
 _MIN_QUERY_ROWS = 8  # up to here a call is bound by reading the keys, past it by the products
 
 
-def _attention_groups(batch: Sequence[SeqInput]) -> list[list[int]]:
+def _attention_groups(batch: Sequence[SeqInput], key_span: KeySpan | None = None) -> list[list[int]]:
     """The batch's sequences (indices) split into runs of neighbouring slots, one attention call
-    each: a call costs its slot range x its longest keys x its longest queries (padding
-    included) plus a fixed cost, and the split minimising the sum is found exactly (B <= a few
-    dozen). Short decode steps of similar lengths share a call; a long prompt chunk or one
-    very long context gets its own."""
+    each: a call costs its slot range x its longest keys (cut as `key_span` says, if given) x its
+    longest queries (padding included) plus a fixed cost, and the split minimising the sum is
+    found exactly (B <= a few dozen). Short decode steps of similar lengths share a call; a long
+    prompt chunk or one very long context gets its own."""
     order = sorted(range(len(batch)), key=lambda b: batch[b].cache.slot)
     slot = [batch[b].cache.slot for b in order]
     keys = [batch[b].cache.length + batch[b].input_ids.shape[0] for b in order]
+    if key_span is not None:
+        keys = [key_span.keys(n) for n in keys]
     queries = [max(batch[b].input_ids.shape[0], _MIN_QUERY_ROWS) for b in order]
     best, cut = [0.0] * (len(order) + 1), [0] * (len(order) + 1)
     for end in range(1, len(order) + 1):
@@ -716,20 +775,21 @@ class _AttnGroup:
     def of(
         cls, members: list[tuple[SeqInput, int]], device: torch.device, dtype: torch.dtype, group: int,
         min_queries: int = 1,
+        key_span: KeySpan | None = None,
         max_keys: int | None = None,
     ) -> _AttnGroup:
         """`members`: (sequence, its first row in the packed batch); `dtype`: the queries'. `group`:
         query heads per key/value head (the grouped layout, _grouped). `min_queries`: the fewest
         query rows per slot and head of the grouped layout in any query block
-        (_query_blocks_invariant); `max_keys` (the pool's capacity) given: keys padded to whole
-        blocks, so that every row is computed as it would be alone (see _INVARIANT_KEY_BLOCK)."""
+        (_query_blocks_invariant); `key_span` given: keys padded as it says, up to `max_keys` (the
+        pool's capacity), so that every row is computed as it would be alone."""
         lo = min(s.cache.slot for s, _ in members)
         hi = max(s.cache.slot for s, _ in members) + 1
         n_max = max(s.input_ids.shape[0] for s, _ in members)
         l_max = max(s.cache.length + s.input_ids.shape[0] for s, _ in members)
         n_max = next(n for n in itertools.count(n_max) if _query_blocks_invariant(n * group, min_queries))
-        if max_keys is not None:
-            l_max = min(_key_span(l_max), max_keys)
+        if key_span is not None:
+            l_max = min(key_span.keys(l_max), max_keys or l_max)
         # key p is visible to query j of a sequence starting at `start`: p < start, or within its
         # own inputs by the causal / tree rule; padding rows see key 0 only (no empty softmax)
         mask = torch.zeros(hi - lo, n_max, l_max, dtype=torch.bool)
