@@ -55,12 +55,13 @@ def _random_weight(out: int, inp: int, seed: int = 0) -> Int4Weight:
 
 @pytest.mark.parametrize("dense", [True, False], ids=["dense-prefill", "int4-prefill"])
 def test_an_int4_product_computes_a_row_the_same_whatever_the_rows_around_it(dense: bool) -> None:
-    """Scored rows (the int4 kernel) at every row count, prefill rows (dense bfloat16 in calls of
-    256, or the int4 kernel where the CPU lacks bfloat16 instructions) at every count and place:
-    bit for bit; both the weights' product up to bfloat16 rounding."""
+    """Scored rows (the int4 kernel) at every row count, prefill rows (the dense bfloat16 product
+    in calls of its probed row counts, or the int4 kernel where the CPU lacks bfloat16
+    instructions) at every count and place: bit for bit; both the weights' product up to
+    bfloat16 rounding."""
     w = _random_weight(96, 128)
     lin = Int4Linear(w, dense=dense)
-    assert (lin.w_t is not None) == dense  # no dense copy where it is not used
+    assert (lin.dense is not None) == dense  # no dense copy where it is not used
     x = torch.randn(600, 128, generator=torch.Generator().manual_seed(1))
     first, first_bulk, last_bulk = lin(x[:1]), lin(x[:1], num_scored=0), lin(x[599:], num_scored=0)
     for rows in (2, 3, 16, 64, 120, 256, 300, 600):

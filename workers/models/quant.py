@@ -14,13 +14,15 @@ whatever else shares its forward. Rounding to bfloat16 would magnify any float32
   * rows whose logits are read (decode, verification) go through the int4 kernel, which computes
     a row bit for bit the same at every row count;
   * rows that only fill the cache (prompt prefill) go through a dense bfloat16 copy of the same
-    weights in calls of exactly 256 rows (the last one padded) where the CPU has bfloat16
-    instructions: oneDNN's bfloat16 GEMM is ~3.5x faster there than the int4 kernel, which grows
-    with the rows, but it changes a row's result with the call's row count (a [576, 1536] product
-    at 256 against 512 rows), never with the row's place or neighbours in a call of fixed size.
-    Without them (AVX2 only) the same GEMM takes a reference path ~50x slower than the int4
-    kernel (342 ms against 7 ms for 256 rows of [576, 1536]), so prompt rows take the int4
-    kernel too and no dense copy is kept (`cpu_bfloat16_pays`, workers/models/cpu.py);
+    weights where the CPU has bfloat16 instructions: oneDNN's packed bfloat16 product
+    (workers/models/bf16.py) costs 0.13-0.15 ms a row of all 30 layers' products in calls of
+    64 to 128 rows, where a step on the int4 kernel grows ~2 ms a row (Intel Xeon with AMX). It
+    may change a row's result with the call's row count, so it runs in calls of the row counts
+    its probe found to compute a row alike (`invariant_rows`): a 39-token prompt costs a call of
+    39 rows, not one padded to a fixed 256 (its prefill 36 against 70 ms). Without bfloat16
+    instructions (AVX2 only) that GEMM takes a reference path ~50x slower than the int4 kernel
+    (342 ms against 7 ms for 256 rows of [576, 1536]), so prompt rows take the int4 kernel too
+    and no dense copy is kept (`bfloat16_fast`, workers/models/bf16.py);
   * attention: see workers/models/llama.py, invariant_min_queries.
 """
 
@@ -32,12 +34,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workers.models.cpu import cpu_bfloat16_pays
+from workers.models.bf16 import Bf16Linear, bfloat16_fast
 
 GROUP_SIZE = 32  # weights per Q4_0 / Q4_1 block
 _INNER_K_TILES = 2  # the int4 packing's tile factor (the kernel's default for CPU)
 _COMPUTE_DTYPE = torch.bfloat16  # what the int4 kernel multiplies in
-_DENSE_ROWS = 256  # rows per dense call: a fixed size keeps each row's result the same
 
 # GGUF tensor name -> Hugging Face name of a Llama layer's products; "{i}" is the layer
 _LAYER_TENSORS = {
@@ -142,10 +143,9 @@ class Int4Linear:
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q, _INNER_K_TILES)
         self.scales_zeros = torch.stack([scales, zeros], dim=-1).contiguous()  # [in / 32, out, 2]
         # the same values the kernel computes with (bfloat16 scales and zeros), rounded to bfloat16
-        self.w_t: torch.Tensor | None = None
-        if dense if dense is not None else cpu_bfloat16_pays():
-            self.w_t = (Int4Weight(weight.q, scales.float(), zeros.float()).dequantize().to(_COMPUTE_DTYPE)
-                        .t().contiguous())
+        self.dense: Bf16Linear | None = None
+        if dense if dense is not None else bfloat16_fast(torch.device("cpu")):
+            self.dense = Bf16Linear(Int4Weight(weight.q, scales.float(), zeros.float()).dequantize())
 
     @property
     def nbytes(self) -> int:
@@ -154,21 +154,14 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor, num_scored: int | None = None) -> torch.Tensor:
         n = x.shape[0]
-        a = n if num_scored is None or self.w_t is None else num_scored
+        a = n if num_scored is None or self.dense is None else num_scored
         xb = x.to(_COMPUTE_DTYPE)
         if a == n:
-            y = self._int4(xb)
-        elif a == 0:
-            y = self._dense(xb)
-        else:
-            y = torch.cat([self._int4(xb[:a]), self._dense(xb[a:])])
-        return y
+            return self._int4(xb)
+        assert self.dense is not None
+        if a == 0:
+            return self.dense(xb)
+        return torch.cat([self._int4(xb[:a]), self.dense(xb[a:])])
 
     def _int4(self, xb: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE, self.scales_zeros)
-
-    def _dense(self, xb: torch.Tensor) -> torch.Tensor:
-        assert self.w_t is not None
-        n = xb.shape[0]
-        blocks = torch.nn.functional.pad(xb, (0, 0, 0, -n % _DENSE_ROWS)).split(_DENSE_ROWS)
-        return torch.cat([block @ self.w_t for block in blocks])[:n]
