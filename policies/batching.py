@@ -24,7 +24,17 @@ best k.
 
 `BatchCost` is T: measured once at start (router calibration) on one sequence's rows, and
 shifted live, per batch size, by what the steps of that size took beyond it (a unitless prior
-curve is scaled instead; workers/routing.py). Pure functions and value types: no clock, no I/O.
+curve is scaled instead; workers/routing.py).
+
+Routing a step is host work too: every request's controller re-plans, its cheap drafters
+propose and are scored, and the rule runs (~0.2 ms a request on a 2-core CPU). In a big batch
+the drafts the rule admits may add less than that work costs, and plain decoding is then
+faster. `BatchFallback` keeps, per batch size, what the rule's allocations promised
+(`predicted_gain`) against what routing them took per second of forward, and decodes a batch of
+that size plainly, without asking any controller, while the promise is the smaller; one step in
+ROUTE_PROBE_EVERY is routed all the same, so that the estimate follows the traffic. Pure
+functions and value types, and one small state machine fed the measured numbers: no clock, no
+I/O.
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ from dataclasses import dataclass
 from policies.cost import expected_rows
 
 MIN_GAIN = 1e-3  # relative goodput gain an extension must bring (no churn on float noise)
+ROUTE_PROBE_EVERY = 32  # steps of a batch size decoded plainly between two routed ones
+FALLBACK_EMA = 0.2  # weight of the latest routed step in BatchFallback's estimates
 
 
 @dataclass(frozen=True)
@@ -124,3 +136,58 @@ def allocate(options: Sequence[DraftOption | None], cost: BatchCost, prefill_row
             best_goodput, best_ks = goodput, list(ks)
         rank(i)
     return best_ks
+
+
+def predicted_gain(options: Sequence[DraftOption | None], ks: Sequence[int], cost: BatchCost, fixed_rows: int = 0,
+                   prefill_rows: int = 0) -> float:
+    """G(ks) / G(0) - 1: what drafting ks adds to the step's expected tokens per second (the
+    arguments as `allocate` takes them)."""
+    tokens, rows, draft_s = float(len(options)), float(fixed_rows + len(options)), 0.0
+    for opt, k in zip(options, ks, strict=True):
+        if opt is not None and k:
+            tokens += sum(opt.prefix[:k])
+            rows += opt.rows(k) - 1.0
+            draft_s += k * opt.draft_s_per_token
+    plain = len(options) / cost.step_s(fixed_rows + len(options) + prefill_rows)
+    return tokens / (cost.step_s(rows + prefill_rows) + draft_s) / plain - 1.0
+
+
+@dataclass
+class RoutingEstimate:
+    """BatchFallback's estimates for one batch size."""
+
+    gain: float  # predicted_gain of the routed steps
+    overhead: float  # their routing seconds per forward second
+    plain_steps: int = 0  # decoded plainly since the last routed step
+
+
+class BatchFallback:
+    """Per number of decoding requests: whether routing the next step pays for its host work
+    (see the module doc). A size not yet seen, and a single request, are always routed."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[int, RoutingEstimate] = {}
+
+    def route(self, num_decoding: int) -> bool:
+        """Whether the next step of `num_decoding` requests is routed (else: decoded plainly)."""
+        est = self._sizes.get(num_decoding)
+        if num_decoding < 2 or est is None or est.gain > est.overhead:
+            return True
+        est.plain_steps += 1
+        if est.plain_steps >= ROUTE_PROBE_EVERY:
+            est.plain_steps = 0
+            return True
+        return False
+
+    def observe(self, num_decoding: int, gain: float, overhead: float) -> None:
+        """A routed step: the rule's predicted gain, and its routing seconds per forward second."""
+        est = self._sizes.get(num_decoding)
+        if est is None:
+            self._sizes[num_decoding] = RoutingEstimate(gain, overhead)
+            return
+        est.gain += FALLBACK_EMA * (gain - est.gain)
+        est.overhead += FALLBACK_EMA * (overhead - est.overhead)
+
+    def estimate(self, num_decoding: int) -> RoutingEstimate | None:
+        """The estimates of this batch size; None: not seen."""
+        return self._sizes.get(num_decoding)

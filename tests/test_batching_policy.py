@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from policies.batching import BatchCost, DraftOption, allocate
+from policies.batching import ROUTE_PROBE_EVERY, BatchCost, BatchFallback, DraftOption, allocate, predicted_gain
 from policies.cost import StepCosts, best_draft_len, expected_tokens, prefix_acceptance
 
 
@@ -105,3 +105,30 @@ def test_the_rule_is_close_to_an_exhaustive_search_on_a_staircase(batch: int, ma
     # a rule that stops at the first extension that does not pay: 0.87-0.92 and 0.96-0.97 here
     assert min(ratios) >= 0.95
     assert statistics.mean(ratios) >= 0.99
+
+
+def test_the_predicted_gain_is_the_allocations_goodput_over_plain_decodings() -> None:
+    cost = BatchCost((1, 2, 8), (1.0, 1.2, 2.4))
+    good, poor = DraftOption((0.9, 0.8), 2), DraftOption((0.1,), 1, draft_s_per_token=0.05)
+    options = [good, poor, None]
+    assert predicted_gain(options, [0, 0, 0], cost) == 0.0
+    # 3 + 1.7 + 0.1 tokens over a step of 6 rows (2.0 s) plus 0.05 s drafting, against 3 tokens in 1.4 s
+    assert predicted_gain(options, [2, 1, 0], cost) == pytest.approx((4.8 / 2.05) / (3 / 1.4) - 1)
+    ks = allocate(options, cost)
+    assert predicted_gain(options, ks, cost) >= max(predicted_gain(options, [a, b, 0], cost)
+                                                    for a in range(3) for b in range(2)) - 1e-12
+
+
+def test_a_batch_size_decodes_plainly_while_routing_it_costs_more_than_its_drafts_promise() -> None:
+    fallback = BatchFallback()
+    assert fallback.route(1) and fallback.route(16)  # alone, and a size not seen yet: routed
+    fallback.observe(16, gain=0.02, overhead=0.05)
+    fallback.observe(1, gain=0.0, overhead=0.5)
+    assert fallback.route(1)  # a request alone re-plans itself
+    plain_run = [fallback.route(16) for _ in range(2 * ROUTE_PROBE_EVERY)]
+    assert plain_run == ([False] * (ROUTE_PROBE_EVERY - 1) + [True]) * 2  # a routed step now and then
+    for _ in range(5):  # the probes find drafts that pay again
+        fallback.observe(16, gain=0.30, overhead=0.05)
+    assert fallback.route(16) and fallback.route(16)
+    est = fallback.estimate(16)
+    assert est is not None and est.gain > est.overhead and fallback.estimate(8) is None

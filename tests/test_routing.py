@@ -330,6 +330,41 @@ def test_a_routed_batch_shifts_the_cost_curve_per_batch_size(tiny_engine: SpecEn
         routed.close()
 
 
+def test_a_routed_batch_decodes_plainly_where_routing_does_not_pay_but_keeps_forced_drafts(
+    router: Router, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once routing a batch of a size is estimated to cost more host time than its drafts save,
+    its steps ask no controller and draft nothing; a request that fixed its drafter and k still
+    drafts, and every output stays plain decoding's."""
+    engine = router.engine
+    batch = RoutedBatch(router)
+    forced = batch.add(engine.encode(TEXTS[0]), greedy(16), TEXTS[0], Speculation("self", 2))
+    running = [batch.add(engine.encode(t), greedy(16), t) for t in TEXTS[1:]]
+    for n in (2, 3):
+        batch.fallback.observe(n, gain=0.0, overhead=1.0)
+    asked: list[RoutedGeneration] = []
+    choose = RoutedGeneration.choose
+    monkeypatch.setattr(RoutedGeneration, "choose", lambda self: asked.append(self) or choose(self))
+    plain_steps, forced_drafts = 0, 0
+    while batch.num_running or batch.num_waiting:
+        asked.clear()
+        step = batch.step()
+        if len(step.stats) < 2:
+            assert step.routed  # a request alone re-plans itself
+        elif not step.routed:
+            plain_steps += 1
+            assert set(asked) <= {forced}
+            for routed, st in step.stats:
+                if routed is forced:
+                    forced_drafts += st.drafter == "self"
+                else:
+                    assert st.drafter == PLAIN
+    assert plain_steps and forced_drafts
+    for routed, text in zip([forced, *running], TEXTS):
+        assert routed.result().token_ids == plain_ids(engine, text, 16)
+        routed.close()
+
+
 def test_a_routed_batch_scales_the_unitless_prior_to_seconds(router: Router) -> None:
     batch = RoutedBatch(router)
     running = [batch.add(router.engine.encode(t), greedy(8), t) for t in TEXTS[:2]]

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from policies.batching import BatchCost, DraftOption, allocate
+from policies.batching import BatchCost, BatchFallback, DraftOption, allocate, predicted_gain
 from policies.classifier import Classification, DomainClassifier
 from policies.controller import StepChoice, StepController
 from policies.cost import CostTable
 from policies.paths import PathNotAllowed, confine
 from policies.records import ContextSpan, Record, RequestRecord, ShadowRecord, StepRecord, context_bucket
 from policies.schema import Policy, PolicyError, check_policy_drafters, load_policy
-from policies.selector import FORCED, Features, Plan, decide, forced_plan
+from policies.selector import FALLBACK, FORCED, Features, Plan, decide, forced_plan
 from policies.stats import StatsStore
 from workers.batch import BatchEngine, BatchStep
 from workers.config import PLAIN, LookaheadDrafterConfig, RoutingConfig
@@ -418,6 +418,12 @@ class RoutedGeneration:
     def fallbacks(self) -> tuple[str, ...]:
         return tuple(self.controller.fallbacks)
 
+    @property
+    def may_decode_plainly(self) -> bool:
+        """Whether a step may skip the controller and decode plainly (BatchFallback): not where the
+        request fixed its k or its drafter, or its domain does not allow plain decoding."""
+        return self.controller.adaptive and self.controller.fallback_allowed
+
     def report(self) -> RoutingReport:
         c = self.classification
         return RoutingReport(
@@ -439,6 +445,7 @@ class RoutedGeneration:
 
 
 COST_EMA = 0.1  # weight of the latest step in the live correction of the batch cost curve
+BATCH_PLAIN = StepChoice(PLAIN, 0, FALLBACK, 1.0)  # a step of a batch routing would not pay for (BatchFallback)
 
 
 @dataclass
@@ -448,6 +455,7 @@ class RoutedStep:
     stats: list[tuple[RoutedGeneration, StepStats]]  # the requests that decoded
     failed: list[tuple[RoutedGeneration, Exception]]  # requests the step failed (closed by their owner)
     batch: BatchStep
+    routed: bool = True  # False: decoded plainly, no controller asked (BatchFallback)
 
 
 class RoutedBatch:
@@ -476,6 +484,7 @@ class RoutedBatch:
         # predicted seconds (a measured curve); measured / predicted (the unitless prior)
         self.cost_offsets: dict[int, float] = {}
         self.cost_scale = 1.0
+        self.fallback = BatchFallback()  # whether routing a batch of each size pays for its host work
 
     @property
     def num_running(self) -> int:
@@ -498,29 +507,39 @@ class RoutedBatch:
         self.requests.pop(routed.gen, None)
 
     def step(self) -> RoutedStep:
+        t0 = time.perf_counter()
         decoding = self.batch.schedule()
-        choices = {gen: self.requests[gen].choose() for gen in decoding}
-        prefill_rows = self.batch.num_prefill_rows(len(decoding))
-        if len(choices) > 1 or (choices and prefill_rows):
-            choices = self._allocate(choices, prefill_rows, self.step_cost(len(decoding)))
-        orders = {gen: self.requests[gen].order(choice) for gen, choice in choices.items()}
+        num_decoding = len(decoding)
+        routed = self.fallback.route(num_decoding)
+        choices = {gen: self.requests[gen].choose() if routed or not self.requests[gen].may_decode_plainly
+                   else BATCH_PLAIN for gen in decoding}
+        gain = None
+        prefill_rows = self.batch.num_prefill_rows(num_decoding)
+        if routed and (len(choices) > 1 or (choices and prefill_rows)):
+            choices, gain = self._allocate(choices, prefill_rows, self.step_cost(num_decoding))
+        orders = {gen: self.requests[gen].order(choice) for gen, choice in choices.items() if choice is not BATCH_PLAIN}
+        routing_s = time.perf_counter() - t0
         step = self.batch.step(orders)
+        t1 = time.perf_counter()
         stats = []
         for gen, st in step.stats:
-            routed = self.requests[gen]
-            routed.observe(choices[gen], st)
-            stats.append((routed, st))
-            if routed.finished:
+            routed_gen = self.requests[gen]
+            routed_gen.observe(choices[gen], st)
+            stats.append((routed_gen, st))
+            if routed_gen.finished:
                 del self.requests[gen]
         failed = [(self.requests.pop(gen), e) for gen, e in step.failed]
+        routing_s += time.perf_counter() - t1
         if decoding and step.num_rows and step.forward_s > 0:
             predicted = self.router.batch_cost.step_s(step.num_rows)
             if self.router.batch_cost_in_seconds:
-                excess, known = step.forward_s - predicted, self.cost_offsets.get(len(decoding))
-                self.cost_offsets[len(decoding)] = excess if known is None else known + COST_EMA * (excess - known)
+                excess, known = step.forward_s - predicted, self.cost_offsets.get(num_decoding)
+                self.cost_offsets[num_decoding] = excess if known is None else known + COST_EMA * (excess - known)
             else:
                 self.cost_scale += COST_EMA * (step.forward_s / predicted - self.cost_scale)
-        return RoutedStep(stats, failed, step)
+            if gain is not None:
+                self.fallback.observe(num_decoding, gain, routing_s / step.forward_s)
+        return RoutedStep(stats, failed, step, routed)
 
     def step_cost(self, num_decoding: int) -> BatchCost:
         """T for a step of `num_decoding` requests: the measured curve shifted by the live offset
@@ -535,8 +554,9 @@ class RoutedBatch:
 
     def _allocate(
         self, choices: Mapping[Generation, StepChoice], prefill_rows: int, cost: BatchCost,
-    ) -> dict[Generation, StepChoice]:
-        """Each choice capped by the goodput rule over `cost`; choices it has no say over keep their rows."""
+    ) -> tuple[dict[Generation, StepChoice], float]:
+        """Each choice capped by the goodput rule over `cost` (choices it has no say over keep their
+        rows), and the gain the rule predicts for the capped drafts (`predicted_gain`)."""
         out, priced = dict(choices), []
         fixed_rows = prefill_rows
         for gen, choice in choices.items():
@@ -546,13 +566,13 @@ class RoutedBatch:
             elif choice.drafter != PLAIN:
                 fixed_rows += choice.draft_len  # a forced draft: its rows beyond the 1 counted below
         if not priced:
-            return out
+            return out, 0.0
         options: list[DraftOption | None] = [o for _, o in priced]
         options += [None] * (len(choices) - len(priced))  # plain or fixed: one row, one token each
         ks = allocate(options, cost, fixed_rows)
         for (gen, _), k in zip(priced, ks):
             out[gen] = _capped(choices[gen], k)
-        return out
+        return out, predicted_gain(options, ks, cost, fixed_rows)
 
 
 def _capped(choice: StepChoice, k: int) -> StepChoice:
