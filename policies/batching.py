@@ -27,14 +27,14 @@ shifted live, per batch size, by what the steps of that size took beyond it (a u
 curve is scaled instead; workers/routing.py).
 
 Routing a step is host work too: every request's controller re-plans, its cheap drafters
-propose and are scored, and the rule runs (~0.2 ms a request on a 2-core CPU). In a big batch
-the drafts the rule admits may add less than that work costs, and plain decoding is then
-faster. `BatchFallback` keeps, per batch size, what the rule's allocations promised
-(`predicted_gain`) against what routing them took per second of forward, and decodes a batch of
-that size plainly, without asking any controller, while the promise is the smaller; one step in
-ROUTE_PROBE_EVERY is routed all the same, so that the estimate follows the traffic. Pure
-functions and value types, and one small state machine fed the measured numbers: no clock, no
-I/O.
+propose and are scored, and the rule runs (a few tenths of a millisecond a request on a 2-core
+CPU). In a big batch the drafts the rule admits may add less than that work costs, and plain
+decoding is then faster. `BatchFallback` keeps, per batch size, what the rule's allocations
+promised (`predicted_gain`) against what routing them took per second of forward, and decodes a
+batch of that size plainly, without asking any controller, while the promise is the smaller;
+one step in ROUTE_PROBE_EVERY is routed all the same, so that the estimate follows the traffic.
+Pure functions and value types, and one small state machine fed the measured numbers: no
+clock, no I/O.
 """
 
 from __future__ import annotations
@@ -138,18 +138,18 @@ def allocate(options: Sequence[DraftOption | None], cost: BatchCost, prefill_row
     return best_ks
 
 
-def predicted_gain(options: Sequence[DraftOption | None], ks: Sequence[int], cost: BatchCost, fixed_rows: int = 0,
+def predicted_gain(options: Sequence[DraftOption | None], ks: Sequence[int], cost: BatchCost,
                    prefill_rows: int = 0) -> float:
     """G(ks) / G(0) - 1: what drafting ks adds to the step's expected tokens per second (the
     arguments as `allocate` takes them)."""
-    tokens, rows, draft_s = float(len(options)), float(fixed_rows + len(options)), 0.0
+    tokens, rows, draft_s = float(len(options)), float(prefill_rows + len(options)), 0.0
     for opt, k in zip(options, ks, strict=True):
         if opt is not None and k:
             tokens += sum(opt.prefix[:k])
             rows += opt.rows(k) - 1.0
             draft_s += k * opt.draft_s_per_token
-    plain = len(options) / cost.step_s(fixed_rows + len(options) + prefill_rows)
-    return tokens / (cost.step_s(rows + prefill_rows) + draft_s) / plain - 1.0
+    plain = len(options) / cost.step_s(prefill_rows + len(options))
+    return tokens / (cost.step_s(rows) + draft_s) / plain - 1.0
 
 
 @dataclass

@@ -465,9 +465,8 @@ class FastLlama:
         mask: torch.Tensor, last_only: bool, return_hidden: bool,
     ) -> ForwardOutput:
         """`forward` computing every row as it would be computed alone, in a chain or in a batch:
-        the grouped layout, whole key blocks (zeros past the end, masked) and query blocks of
-        >= min_queries rows (see invariant_min_queries, _query_blocks_invariant), keys cut as
-        `key_span` says (zeros past the end, masked)."""
+        the grouped layout, keys cut as `key_span` says (zeros past the end, masked) and query
+        blocks of >= min_queries rows (see invariant_min_queries, _query_blocks_invariant)."""
         n, start = input_ids.shape[0], cache.length
         end = start + n
         keys = min(self.key_span.keys(end), cache.capacity)
@@ -670,14 +669,14 @@ def _whole_blocks(end: int) -> int:
 @dataclass(frozen=True)
 class KeySpan:
     """How many keys a row-invariant attention call reads for `end` visible ones. SDPA cuts a
-    call's keys into blocks of 512 from the first; a row's result depends on the length of the
-    block its keys end in, not on masked keys past them, as long as that last block is either
-    whole or a multiple of `granule` keys no longer than `limit` (torch 2.13 on AVX-512: 16 and
-    256; a shorter call is one short block, which then computes a row the same as a whole one).
-    So a call reads its longest member's keys rounded up to such a block, not to a whole one: a
-    256-token context reads 256 keys where whole blocks would read 512, and every row it holds,
-    whatever its own length, comes out as it would alone. Probed per machine
-    (`invariant_key_span`); `whole blocks` (granule = limit = 512) where no finer cut holds."""
+    call's keys into blocks of 512 from the first, and a row's result depends on the length of
+    the block its visible keys end in, not on masked keys past them, as long as that block is
+    whole or a multiple of `granule` keys no longer than `limit` (torch 2.13 on an AVX-512 Xeon:
+    16 and 256; between 257 and 511 keys the product with the values splits its sum differently).
+    So a call reads its longest member's keys rounded up to such a block: a 100-token context
+    reads 112 keys where whole blocks would read 512, and every row of the call, whatever its
+    own length, comes out as it would alone. Probed per machine (`invariant_key_span`); the
+    default, granule = limit = 512, reads whole blocks (where no finer cut holds)."""
 
     granule: int = _INVARIANT_KEY_BLOCK
     limit: int = _INVARIANT_KEY_BLOCK
