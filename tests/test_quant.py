@@ -23,7 +23,14 @@ from bench.verify_cost import weight_bytes
 from workers.config import ModelConfig, TargetConfig
 from workers.engine import SpecEngine
 from workers.models.base import SeqInput
-from workers.models.llama import KeySpan, _additive, _whole_blocks, invariant_key_span
+from workers.models.llama import (
+    KeySpan,
+    _additive,
+    _attention_groups,
+    _AttnGroup,
+    _whole_blocks,
+    invariant_key_span,
+)
 from workers.models.quant import GROUP_SIZE, Int4Linear, Int4Weight, read_gguf_int4
 from workers.routing import tree_sizes
 from workers.sampling import SamplingParams
@@ -237,3 +244,59 @@ def test_int4_hidden_states_are_the_same_with_keys_cut_or_in_whole_blocks(
     assert lengths[-1] > 256  # the batch holds a long sequence beside the short ones
     for cut, whole in zip(hidden(probed), hidden(KeySpan()), strict=True):
         assert torch.equal(cut, whole)
+
+
+@pytest.mark.parametrize("min_queries", [4, 6])
+def test_a_batch_of_decode_and_verify_steps_computes_each_row_as_alone(
+    int4_engine: SpecEngine, int4_prompts: list[list[int]], min_queries: int,
+) -> None:
+    """A batched call pads each sequence's grouped query rows (3 a token here) up to a count
+    computed like any other (a decode step's 3 to 4 where 4 is the fewest, not to another input's
+    6): sequences of 1, 2 and 3 inputs side by side, every hidden state bit for bit as alone."""
+    model = int4_engine.target.model
+    probed = model.min_queries
+    assert min_queries >= probed  # any count from the probed one computes alike
+    model.min_queries = min_queries
+    try:
+        pool = model.new_pool(len(int4_prompts), 1024)
+        caches = [pool.allocate() for _ in int4_prompts]
+        tails = [p[-1 - i % 3 :] for i, p in enumerate(int4_prompts)]  # 1, 2, 3, 1 inputs
+        heads = [p[: len(p) - len(t)] for p, t in zip(int4_prompts, tails)]
+        model.forward_batch([SeqInput(torch.tensor(h), c, "none") for h, c in zip(heads, caches)])
+        decode = _AttnGroup.of([(SeqInput(torch.tensor(tails[0]), caches[0]), 0)], model.device, model.dtype,
+                               model.group, min_queries)
+        assert decode.n_max * model.group + decode.pad_rows == min_queries  # 3 rows padded to 4 (or 6), no more
+        batched = model.forward_batch([SeqInput(torch.tensor(t), c) for t, c in zip(tails, caches)],
+                                      return_hidden=True)
+        for head, tail, out in zip(heads, tails, batched, strict=True):
+            alone = model.new_cache(1024)
+            model.forward(torch.tensor(head), alone, last_only=True)
+            assert torch.equal(out.hidden, model.forward(torch.tensor(tail), alone, return_hidden=True).hidden)
+    finally:
+        model.min_queries = probed
+
+
+def _seqs(pool, lengths: list[int], inputs: list[int]) -> list[SeqInput]:
+    seqs = []
+    for length, n in zip(lengths, inputs, strict=True):
+        cache = pool.allocate()
+        cache.extend(length)  # only the lengths matter to the grouping
+        seqs.append(SeqInput(torch.zeros(n, dtype=torch.long), cache))
+    return seqs
+
+
+def test_attention_groups_give_a_drafting_sequence_its_own_call_only_where_padding_costs_more(
+    int4_engine: SpecEngine,
+) -> None:
+    """Sixteen decode steps over similar keys share one call; one sequence verifying 8 drafts in
+    their middle would pad every other slot's query rows to its 24, so it gets a call of its own
+    (its neighbours two); one verifying a single draft (6 rows against 4) stays in the shared call."""
+    model = int4_engine.target.model
+    span = KeySpan(16, 256)
+    lengths = [400 + 7 * i for i in range(16)]
+    decode = _seqs(model.new_pool(16, 1024), lengths, [1] * 16)
+    assert _attention_groups(decode, 3, 4, span) == [list(range(16))]
+    long_draft = _seqs(model.new_pool(16, 1024), lengths, [1] * 7 + [9] + [1] * 8)
+    assert _attention_groups(long_draft, 3, 4, span) == [list(range(7)), [7], list(range(8, 16))]
+    one_draft = _seqs(model.new_pool(16, 1024), lengths, [1] * 7 + [2] + [1] * 8)
+    assert _attention_groups(one_draft, 3, 4, span) == [list(range(16))]

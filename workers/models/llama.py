@@ -471,7 +471,7 @@ class FastLlama:
         end = start + n
         keys = min(self.key_span.keys(end), cache.capacity)
         rows = self.group * n
-        pad = next(r for r in itertools.count(rows) if _query_blocks_invariant(r, self.min_queries)) - rows
+        pad = _invariant_rows(rows, self.min_queries) - rows
         mask = _additive(F.pad(mask, (0, keys - end)), self.dtype).repeat_interleave(self.group, 0)  # [rows, keys]
         mask = torch.cat([mask, mask[-1:].expand(pad, -1)])
 
@@ -558,10 +558,10 @@ class FastLlama:
         rope = torch.cat([s.cache.length + (s.tree.input_offsets() if s.tree is not None else torch.arange(n))
                           for s, n in zip(batch, lens)]).to(dev)
         cos, sin = self.cos[rope, None], self.sin_signed[rope, None]  # [N, 1, d]
-        pad = ({"min_queries": self.min_queries, "key_span": self.key_span, "max_keys": pool.capacity}
-               if self.batch_invariant else {})
-        groups = [_AttnGroup.of([(batch[b], bounds[b]) for b in members], dev, self.dtype, self.group, **pad)
-                  for members in _attention_groups(batch, self.key_span if self.batch_invariant else None)]
+        key_span = self.key_span if self.batch_invariant else None
+        groups = [_AttnGroup.of([(batch[b], bounds[b]) for b in members], dev, self.dtype, self.group,
+                                self.min_queries, key_span, pool.capacity)
+                  for members in _attention_groups(batch, self.group, self.min_queries, key_span)]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pool.k[i, row_slot, :, store] = k  # [N, nkv, d] into (slot, position) pairs
@@ -569,11 +569,13 @@ class FastLlama:
             out = q.new_empty(q.shape[0], nh * d)
             for g in groups:  # index_select / index_copy_: ~6 us cheaper than advanced indexing, per group and layer
                 q_pad = q.new_zeros(g.num_slots * g.n_max, nh, d).index_copy_(0, g.padded, q.index_select(0, g.rows))
+                q_rows = _grouped(q_pad.view(g.num_slots, g.n_max, nh, d), nkv)  # [slots, nkv, n_max * group, d]
+                if g.pad_rows:
+                    q_rows = F.pad(q_rows, (0, 0, 0, g.pad_rows))
                 attn = F.scaled_dot_product_attention(
-                    _grouped(q_pad.view(g.num_slots, g.n_max, nh, d), nkv),
-                    pool.k[i, g.lo : g.hi, :, : g.l_max], pool.v[i, g.lo : g.hi, :, : g.l_max],
+                    q_rows, pool.k[i, g.lo : g.hi, :, : g.l_max], pool.v[i, g.lo : g.hi, :, : g.l_max],
                     attn_mask=g.mask,
-                )  # [slots, nkv, n_max * group, d]
+                )[:, :, : g.n_max * self.group]
                 out.index_copy_(0, g.rows, _ungrouped(attn, g.n_max).reshape(-1, nh * d).index_select(0, g.padded))
             return out
 
@@ -720,30 +722,41 @@ def invariant_key_span(num_heads: int, head_dim: int, dtype: torch.dtype, device
             return KeySpan(granule, limit)
     return KeySpan()
 
-# An attention call's fixed cost in key rows read (measured on the 2-core CPU: ~20 us a call
-# against ~0.13 us a key row of all heads): what grouping two sequences must save to pay.
-_CALL_COST_ROWS = 160
-_MIN_QUERY_ROWS = 8  # up to here a call is bound by reading the keys, past it by the products
+# The price of one attention call of a batched forward, per layer (2-core AMD EPYC, Zen 5, float32
+# keys): ~37 ns a slot and key, plus ~4.5 ns for each grouped query row computed over them, plus a
+# fixed ~60 us for the call and the query gathers and scatters around it (docs/benchmarks.md).
+_CALL_US = 60.0
+_SLOT_KEY_NS = 37.0
+_SLOT_KEY_ROW_NS = 4.5
 
 
-def _attention_groups(batch: Sequence[SeqInput], key_span: KeySpan | None = None) -> list[list[int]]:
+def _invariant_rows(rows: int, min_queries: int) -> int:
+    """The fewest query rows >= `rows` a call may compute every row of as alone (padding rows added)."""
+    return next(r for r in itertools.count(rows) if _query_blocks_invariant(r, min_queries))
+
+
+def _attention_groups(
+    batch: Sequence[SeqInput], group: int, min_queries: int = 1, key_span: KeySpan | None = None,
+) -> list[list[int]]:
     """The batch's sequences (indices) split into runs of neighbouring slots, one attention call
     each: a call costs its slot range x its longest keys (cut as `key_span` says, if given) x its
-    longest queries (padding included) plus a fixed cost, and the split minimising the sum is
-    found exactly (B <= a few dozen). Short decode steps of similar lengths share a call; a long
-    prompt chunk or one very long context gets its own."""
+    longest grouped query rows (padded to `min_queries` as _AttnGroup pads them) plus a fixed cost,
+    and the split minimising the sum is found exactly (B <= a few dozen). Decode steps of similar
+    lengths share a call; a drafting sequence's extra query rows or one much longer context get a
+    call of their own where the others' padding would cost more than the call."""
     order = sorted(range(len(batch)), key=lambda b: batch[b].cache.slot)
     slot = [batch[b].cache.slot for b in order]
     keys = [batch[b].cache.length + batch[b].input_ids.shape[0] for b in order]
     if key_span is not None:
         keys = [key_span.keys(n) for n in keys]
-    queries = [max(batch[b].input_ids.shape[0], _MIN_QUERY_ROWS) for b in order]
+    inputs = [batch[b].input_ids.shape[0] for b in order]
     best, cut = [0.0] * (len(order) + 1), [0] * (len(order) + 1)
     for end in range(1, len(order) + 1):
         best[end] = math.inf
         for start in range(end):
-            cost = (best[start] + _CALL_COST_ROWS + (slot[end - 1] - slot[start] + 1) * max(keys[start:end])
-                    * max(queries[start:end]) / _MIN_QUERY_ROWS)
+            rows = _invariant_rows(group * max(inputs[start:end]), min_queries)
+            slot_keys = (slot[end - 1] - slot[start] + 1) * max(keys[start:end])
+            cost = best[start] + _CALL_US + slot_keys * (_SLOT_KEY_NS + _SLOT_KEY_ROW_NS * rows) * 1e-3
             if cost < best[end]:
                 best[end], cut[end] = cost, start
     groups, end = [], len(order)
@@ -759,12 +772,13 @@ class _AttnGroup:
 
     lo: int
     hi: int
-    n_max: int  # query rows per slot, padded
+    n_max: int  # inputs per slot: the longest member's
     l_max: int  # keys per slot, padded
     rows: torch.Tensor  # [m] the group's rows in the packed batch
     padded: torch.Tensor  # [m] where each sits in the [slots * n_max] padded query block
-    mask: torch.Tensor  # [slots, 1, n_max * group, l_max] additive: the keys each grouped query row sees
+    mask: torch.Tensor  # [slots, 1, n_max * group + pad_rows, l_max] additive: the keys each grouped query row sees
     members: list[SeqInput]
+    pad_rows: int = 0  # grouped query rows appended per slot (row invariance: _query_blocks_invariant)
 
     @property
     def num_slots(self) -> int:
@@ -786,7 +800,9 @@ class _AttnGroup:
         hi = max(s.cache.slot for s, _ in members) + 1
         n_max = max(s.input_ids.shape[0] for s, _ in members)
         l_max = max(s.cache.length + s.input_ids.shape[0] for s, _ in members)
-        n_max = next(n for n in itertools.count(n_max) if _query_blocks_invariant(n * group, min_queries))
+        # padded in grouped rows, not in inputs: where min_queries is 4, a decode step's 3 rows
+        # (SmolLM2: 3 query heads a key/value head) take one padding row, not a padding input's 3
+        pad_rows = _invariant_rows(n_max * group, min_queries) - n_max * group
         if key_span is not None:
             l_max = min(key_span.keys(l_max), max_keys or l_max)
         # key p is visible to query j of a sequence starting at `start`: p < start, or within its
@@ -805,5 +821,8 @@ class _AttnGroup:
                 mask[row, :n, start : start + n] = torch.ones(n, n, dtype=torch.bool).tril()
             rows.append(torch.arange(first, first + n))
             padded.append(row * n_max + torch.arange(n))
+        pad = torch.zeros(hi - lo, pad_rows, l_max, dtype=torch.bool)
+        pad[:, :, 0] = True
+        grouped = torch.cat([mask.repeat_interleave(group, 1), pad], dim=1)  # [slots, n_max * group + pad_rows, l_max]
         return cls(lo, hi, n_max, l_max, torch.cat(rows).to(device), torch.cat(padded).to(device),
-                   _additive(mask[:, None].repeat_interleave(group, 2).to(device), dtype), [s for s, _ in members])
+                   _additive(grouped[:, None].to(device), dtype), [s for s, _ in members], pad_rows)
