@@ -730,6 +730,7 @@ _SLOT_KEY_NS = 37.0
 _SLOT_KEY_ROW_NS = 4.5
 
 
+@functools.cache
 def _invariant_rows(rows: int, min_queries: int) -> int:
     """The fewest query rows >= `rows` a call may compute every row of as alone (padding rows added)."""
     return next(r for r in itertools.count(rows) if _query_blocks_invariant(r, min_queries))
@@ -753,11 +754,13 @@ def _attention_groups(
     best, cut = [0.0] * (len(order) + 1), [0] * (len(order) + 1)
     for end in range(1, len(order) + 1):
         best[end] = math.inf
-        for start in range(end):
-            rows = _invariant_rows(group * max(inputs[start:end]), min_queries)
-            slot_keys = (slot[end - 1] - slot[start] + 1) * max(keys[start:end])
+        longest_keys = most_inputs = 0  # over start..end-1, widened as start walks down
+        for start in range(end - 1, -1, -1):
+            longest_keys, most_inputs = max(longest_keys, keys[start]), max(most_inputs, inputs[start])
+            rows = _invariant_rows(group * most_inputs, min_queries)
+            slot_keys = (slot[end - 1] - slot[start] + 1) * longest_keys
             cost = best[start] + _CALL_US + slot_keys * (_SLOT_KEY_NS + _SLOT_KEY_ROW_NS * rows) * 1e-3
-            if cost < best[end]:
+            if cost <= best[end]:  # equal costs: the earliest start, the fewest calls
                 best[end], cut[end] = cost, start
     groups, end = [], len(order)
     while end:
