@@ -19,6 +19,7 @@ from helpers import (
 from safetensors.torch import load_file
 
 import workers.engine as engine_module
+import workers.models.llama as llama
 from bench.verify_cost import weight_bytes
 from workers.config import ModelConfig, TargetConfig
 from workers.engine import SpecEngine
@@ -265,9 +266,9 @@ def test_a_batch_of_decode_and_verify_steps_computes_each_row_as_alone(
         tails = [p[-1 - i % 3 :] for i, p in enumerate(int4_prompts)]  # 1, 2, 3, 1 inputs
         heads = [p[: len(p) - len(t)] for p, t in zip(int4_prompts, tails)]
         model.forward_batch([SeqInput(torch.tensor(h), c, "none") for h, c in zip(heads, caches)])
-        decode = _AttnGroup.of([(SeqInput(torch.tensor(tails[0]), caches[0]), 0)], model.device, model.dtype,
+        decode = _AttnGroup.of([SeqInput(torch.tensor(tails[0]), caches[0])], model.device, model.dtype,
                                model.group, min_queries)
-        assert decode.n_max * model.group + decode.pad_rows == min_queries  # 3 rows padded to 4 (or 6), no more
+        assert decode.num_rows == min_queries  # 3 rows padded to 4 (or 6), no more
         batched = model.forward_batch([SeqInput(torch.tensor(t), c) for t, c in zip(tails, caches)],
                                       return_hidden=True)
         for head, tail, out in zip(heads, tails, batched, strict=True):
@@ -285,6 +286,30 @@ def _seqs(pool: KVPool, lengths: list[int], inputs: list[int]) -> list[SeqInput]
         cache.extend(length)  # only the lengths matter to the grouping
         seqs.append(SeqInput(torch.zeros(n, dtype=torch.long), cache))
     return seqs
+
+
+@pytest.mark.parametrize("call_us", [0.0, 1e9], ids=["a-call-per-sequence", "one-call"])
+def test_a_batch_in_scattered_slots_computes_each_row_as_alone_in_one_call_or_many(
+    int4_engine: SpecEngine, int4_prompts: list[list[int]], call_us: float, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sequences in every other slot of a pool (free slots between them), one verifying 8 drafts
+    beside decode steps: priced so that each gets an attention call of its own, or so that all
+    share one over the whole slot range (the free slots' rows padding), every hidden state bit
+    for bit as alone."""
+    monkeypatch.setattr(llama, "_CALL_US", call_us)
+    model = int4_engine.target.model
+    pool = model.new_pool(2 * len(int4_prompts), 1024)
+    caches = [pool.allocate() for _ in range(pool.num_slots)][::2]
+    tails = [p[-9:] if i == 1 else p[-1:] for i, p in enumerate(int4_prompts)]
+    heads = [p[: len(p) - len(t)] for p, t in zip(int4_prompts, tails)]
+    model.forward_batch([SeqInput(torch.tensor(h), c, "none") for h, c in zip(heads, caches)])
+    batch = [SeqInput(torch.tensor(t), c) for t, c in zip(tails, caches)]
+    calls = _attention_groups(batch, model.group, model.min_queries, model.key_span)
+    assert len(calls) == (len(batch) if call_us == 0 else 1)
+    for head, tail, out in zip(heads, tails, model.forward_batch(batch, return_hidden=True), strict=True):
+        alone = model.new_cache(1024)
+        model.forward(torch.tensor(head), alone, last_only=True)
+        assert torch.equal(out.hidden, model.forward(torch.tensor(tail), alone, return_hidden=True).hidden)
 
 
 def test_attention_groups_give_a_drafting_sequence_its_own_call_only_where_padding_costs_more(

@@ -532,9 +532,9 @@ class FastLlama:
 
         The sequences' caches are slots of one KVPool. Their inputs are packed into one [N] row
         block for the products. Attention reads each sequence's keys in place: sequences of
-        similar shape share one call over their slot range, queries padded to the group's
+        similar shape share one call over their slot range, queries padded to the call's
         longest and masked to their own keys (causal, or the draft tree's ancestry)
-        (`_attention_groups`). A batch of one runs `forward` (the same numerics as alone).
+        (`_attention_groups`, `_BatchAttention`). A batch of one runs `forward` (the same numerics as alone).
         Sequences whose logits are all read (decode and verify steps) are packed first."""
         if len(batch) == 1:
             return forward_each(self, batch, return_hidden)
@@ -546,7 +546,7 @@ class FastLlama:
         slots = [s.cache.slot for s in batch]
         if pool is None or any(s.cache.pool is not pool for s in batch) or len(set(slots)) != len(slots):
             raise ValueError("a batched forward needs every sequence in its own slot of one KVPool")
-        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        nh, d = self.num_heads, self.head_dim
         lens = [s.input_ids.shape[0] for s in batch]
         if any(s.cache.length + n > pool.capacity for s, n in zip(batch, lens)):
             raise ValueError(f"a sequence exceeds the cache capacity {pool.capacity}")
@@ -559,25 +559,15 @@ class FastLlama:
                           for s, n in zip(batch, lens)]).to(dev)
         cos, sin = self.cos[rope, None], self.sin_signed[rope, None]  # [N, 1, d]
         key_span = self.key_span if self.batch_invariant else None
-        groups = [_AttnGroup.of([(batch[b], bounds[b]) for b in members], dev, self.dtype, self.group,
-                                self.min_queries, key_span, pool.capacity)
-                  for members in _attention_groups(batch, self.group, self.min_queries, key_span)]
+        calls = [_AttnGroup.of([batch[b] for b in members], dev, self.dtype, self.group, self.min_queries, key_span,
+                               pool.capacity)
+                 for members in _attention_groups(batch, self.group, self.min_queries, key_span)]
+        attention = _BatchAttention.of(batch, calls, nh, self.group, d, self.dtype, dev)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pool.k[i, row_slot, :, store] = k  # [N, nkv, d] into (slot, position) pairs
             pool.v[i, row_slot, :, store] = v
-            out = q.new_empty(q.shape[0], nh * d)
-            for g in groups:  # index_select / index_copy_: ~6 us cheaper than advanced indexing, per group and layer
-                q_pad = q.new_zeros(g.num_slots * g.n_max, nh, d).index_copy_(0, g.padded, q.index_select(0, g.rows))
-                q_rows = _grouped(q_pad.view(g.num_slots, g.n_max, nh, d), nkv)  # [slots, nkv, n_max * group, d]
-                if g.pad_rows:
-                    q_rows = F.pad(q_rows, (0, 0, 0, g.pad_rows))
-                attn = F.scaled_dot_product_attention(
-                    q_rows, pool.k[i, g.lo : g.hi, :, : g.l_max], pool.v[i, g.lo : g.hi, :, : g.l_max],
-                    attn_mask=g.mask,
-                )[:, :, : g.n_max * self.group]
-                out.index_copy_(0, g.rows, _ungrouped(attn, g.n_max).reshape(-1, nh * d).index_select(0, g.padded))
-            return out
+            return attention.attend(q, pool.k[i], pool.v[i])
 
         ids = torch.cat([s.input_ids for s in batch]).to(dev)
         num_scored = sum(n for s, n in zip(batch, lens) if s.logits == "all")
@@ -724,7 +714,9 @@ def invariant_key_span(num_heads: int, head_dim: int, dtype: torch.dtype, device
 
 # The price of one attention call of a batched forward, per layer (2-core AMD EPYC, Zen 5, float32
 # keys): ~37 ns a slot and key, plus ~4.5 ns for each grouped query row computed over them, plus a
-# fixed ~60 us for the call and the query gathers and scatters around it (docs/benchmarks.md).
+# fixed ~60 us a call: SDPA's own ~8 us and its output's copy, and the threads a small call leaves
+# idle (a slot's 3 key/value heads split unevenly over 2). 60 was the fastest or within 2% of a
+# sweep of 15-200 us on replayed batches, on that EPYC and on an AMX Xeon (docs/benchmarks.md).
 _CALL_US = 60.0
 _SLOT_KEY_NS = 37.0
 _SLOT_KEY_ROW_NS = 4.5
@@ -771,17 +763,16 @@ def _attention_groups(
 
 @dataclass
 class _AttnGroup:
-    """One attention call of a batched forward: pool slots lo..hi-1, their packed rows."""
+    """One attention call of a batched forward: pool slots lo..hi-1, each with the grouped query
+    rows of its inputs (_grouped) padded to `num_rows`."""
 
     lo: int
     hi: int
     n_max: int  # inputs per slot: the longest member's
     l_max: int  # keys per slot, padded
-    rows: torch.Tensor  # [m] the group's rows in the packed batch
-    padded: torch.Tensor  # [m] where each sits in the [slots * n_max] padded query block
-    mask: torch.Tensor  # [slots, 1, n_max * group + pad_rows, l_max] additive: the keys each grouped query row sees
+    num_rows: int  # grouped query rows per slot: n_max * group, padded (row invariance: _query_blocks_invariant)
+    mask: torch.Tensor  # [slots, 1, num_rows, l_max] additive: the keys each grouped query row sees
     members: list[SeqInput]
-    pad_rows: int = 0  # grouped query rows appended per slot (row invariance: _query_blocks_invariant)
 
     @property
     def num_slots(self) -> int:
@@ -789,31 +780,29 @@ class _AttnGroup:
 
     @classmethod
     def of(
-        cls, members: list[tuple[SeqInput, int]], device: torch.device, dtype: torch.dtype, group: int,
+        cls, members: list[SeqInput], device: torch.device, dtype: torch.dtype, group: int,
         min_queries: int = 1,
         key_span: KeySpan | None = None,
         max_keys: int | None = None,
     ) -> _AttnGroup:
-        """`members`: (sequence, its first row in the packed batch); `dtype`: the queries'. `group`:
-        query heads per key/value head (the grouped layout, _grouped). `min_queries`: the fewest
-        query rows per slot and head of the grouped layout in any query block
-        (_query_blocks_invariant); `key_span` given: keys padded as it says, up to `max_keys` (the
-        pool's capacity), so that every row is computed as it would be alone."""
-        lo = min(s.cache.slot for s, _ in members)
-        hi = max(s.cache.slot for s, _ in members) + 1
-        n_max = max(s.input_ids.shape[0] for s, _ in members)
-        l_max = max(s.cache.length + s.input_ids.shape[0] for s, _ in members)
+        """`dtype`: the queries'. `group`: query heads per key/value head (the grouped layout,
+        _grouped). `min_queries`: the fewest query rows per slot and head of the grouped layout in
+        any query block (_query_blocks_invariant); `key_span` given: keys padded as it says, up to
+        `max_keys` (the pool's capacity), so that every row is computed as it would be alone."""
+        lo = min(s.cache.slot for s in members)
+        hi = max(s.cache.slot for s in members) + 1
+        n_max = max(s.input_ids.shape[0] for s in members)
+        l_max = max(s.cache.length + s.input_ids.shape[0] for s in members)
         # padded in grouped rows, not in inputs: where min_queries is 4, a decode step's 3 rows
         # (SmolLM2: 3 query heads a key/value head) take one padding row, not a padding input's 3
-        pad_rows = _invariant_rows(n_max * group, min_queries) - n_max * group
+        num_rows = _invariant_rows(n_max * group, min_queries)
         if key_span is not None:
             l_max = min(key_span.keys(l_max), max_keys or l_max)
         # key p is visible to query j of a sequence starting at `start`: p < start, or within its
         # own inputs by the causal / tree rule; padding rows see key 0 only (no empty softmax)
         mask = torch.zeros(hi - lo, n_max, l_max, dtype=torch.bool)
         mask[:, :, 0] = True
-        rows, padded = [], []
-        for s, first in members:
+        for s in members:
             n, row, start = s.input_ids.shape[0], s.cache.slot - lo, s.cache.length
             mask[row, :n, :start] = True
             if s.tree is not None:
@@ -822,10 +811,53 @@ class _AttnGroup:
                 mask[row, :n, start : start + n] = s.tree.input_mask()
             else:
                 mask[row, :n, start : start + n] = torch.ones(n, n, dtype=torch.bool).tril()
-            rows.append(torch.arange(first, first + n))
-            padded.append(row * n_max + torch.arange(n))
-        pad = torch.zeros(hi - lo, pad_rows, l_max, dtype=torch.bool)
+        pad = torch.zeros(hi - lo, num_rows - n_max * group, l_max, dtype=torch.bool)
         pad[:, :, 0] = True
-        grouped = torch.cat([mask.repeat_interleave(group, 1), pad], dim=1)  # [slots, n_max * group + pad_rows, l_max]
-        return cls(lo, hi, n_max, l_max, torch.cat(rows).to(device), torch.cat(padded).to(device),
-                   _additive(grouped[:, None].to(device), dtype), [s for s, _ in members], pad_rows)
+        grouped = torch.cat([mask.repeat_interleave(group, 1), pad], dim=1)  # [slots, num_rows, l_max]
+        return cls(lo, hi, n_max, l_max, num_rows, _additive(grouped[:, None].to(device), dtype), members)
+
+
+@dataclass
+class _BatchAttention:
+    """A batched forward's attention, its calls planned once for all layers. The queries of every
+    layer go, in one gather, to their slot's rows of a buffer in the grouped layout, [slots,
+    num_kv_heads, rows, head_dim] with rows the most any call computes; each call reads a view of
+    it (its slots, its padded rows), writes its output to the same place of a second buffer, and
+    one gather takes every row back. Per call that leaves SDPA and one copy, where padding each
+    call's own queries (zero-fill, gather, regroup, pad, ungroup, scatter) cost ~10 ops. Padding
+    rows are zeros, never written, masked to key 0."""
+
+    lo: int  # the first slot
+    index: torch.Tensor  # [N * heads]: where each packed row's head sits in the flat buffer
+    queries: torch.Tensor  # [slots, num_kv_heads, rows, head_dim]
+    out: torch.Tensor  # the same shape
+    calls: list[_AttnGroup]
+
+    @classmethod
+    def of(cls, batch: Sequence[SeqInput], calls: list[_AttnGroup], num_heads: int, group: int, head_dim: int,
+           dtype: torch.dtype, device: torch.device) -> _BatchAttention:
+        lo = min(c.lo for c in calls)
+        num_kv_heads, rows = num_heads // group, max(c.num_rows for c in calls)
+        slot = torch.tensor([s.cache.slot - lo for s in batch for _ in range(s.input_ids.shape[0])])
+        step = torch.cat([torch.arange(s.input_ids.shape[0]) for s in batch])  # the row's input in its sequence
+        head = torch.arange(num_heads)  # query head h is row h % group of key/value head h // group (_grouped)
+        index = (slot[:, None] * num_kv_heads + head // group) * rows + step[:, None] * group + head % group
+        shape = (max(c.hi for c in calls) - lo, num_kv_heads, rows, head_dim)
+        return cls(lo, index.view(-1).to(device), torch.zeros(shape, dtype=dtype, device=device),
+                   torch.empty(shape, dtype=dtype, device=device), calls)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, heads, head_dim] -> [N, heads * head_dim]; k, v: the layer's pool, [slots,
+        num_kv_heads, positions, head_dim]."""
+        d = q.shape[-1]
+        self.queries.view(-1, d).index_copy_(0, self.index, q.reshape(-1, d))
+        out = self.out
+        for c in self.calls:
+            a, b = c.lo - self.lo, c.hi - self.lo
+            attn = F.scaled_dot_product_attention(self.queries[a:b, :, : c.num_rows], k[c.lo : c.hi, :, : c.l_max],
+                                                  v[c.lo : c.hi, :, : c.l_max], attn_mask=c.mask)
+            if len(self.calls) == 1:  # the call is the whole buffer
+                out = attn
+            else:
+                out[a:b, :, : c.num_rows] = attn
+        return out.view(-1, d).index_select(0, self.index).view(q.shape[0], -1)
