@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from workers.verify import VerifyResult, verify_greedy, verify_sampled
+from workers.verify import VerifyResult, greedy_ids, verify_greedy, verify_sampled
 
 V = 6  # vocabulary of the statistical tests
 NUM_TRIALS = 20_000
@@ -31,6 +31,22 @@ def one_hot_logits(argmaxes: list[int], vocab: int = 10) -> torch.Tensor:
     logits = torch.randn(len(argmaxes), vocab, generator=torch.Generator().manual_seed(0))
     logits[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 10.0
     return logits
+
+
+def test_greedy_ids_pick_the_index_torch_argmax_picks() -> None:
+    """The target's token per row, whatever computes it: the first of tied maxima, a NaN over
+    every number, a row of -inf its first index; in full-vocabulary rows, views of a batch's
+    logits, one row alone, and bfloat16 (torch's own argmax)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 49152, generator=g)
+    logits[1, [70, 900]] = 100.0  # tied maxima
+    logits[2, [5, 40]] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, [8, 30000]] = float("inf")
+    logits[5] = logits[5].round()  # many ties below the maximum
+    for rows in (logits, logits[2:7], logits[6], logits[::2], logits.to(torch.bfloat16)):
+        assert torch.equal(greedy_ids(rows), rows.argmax(dim=-1))
+    assert greedy_ids(logits)[1:5].tolist() == [70, 5, 0, 8]
 
 
 def test_greedy_all_accepted_appends_bonus() -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from workers.tree import DraftTree
@@ -45,11 +46,21 @@ class VerifyResult:
     path: tuple[int, ...] = ()  # a tree's accepted nodes, root first (a chain: unused)
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1): each row's first largest logit (a NaN counts as largest, as in
+    torch). On a CPU through numpy's vectorised argmax, which returns the same index: torch
+    2.13's CPU argmax runs scalar, 66 us a row of SmolLM2's 49,152 logits against numpy's 4, so
+    a step of 16 requests verifying 39 rows spent 1.3 ms in it instead of 0.2."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(axis=-1)))
+    return logits.argmax(dim=-1)
+
+
 def verify_greedy(target_logits: torch.Tensor, draft_ids: torch.Tensor) -> VerifyResult:
     """target_logits: [k + 1, vocab], row i predicts the token after draft position i - 1.
     draft_ids: [k]. Accepts while the draft equals the target's argmax."""
     k = draft_ids.shape[0]
-    target_ids = target_logits.argmax(dim=-1)  # [k + 1]
+    target_ids = greedy_ids(target_logits)  # [k + 1]
     num_accepted = int((target_ids[:k] == draft_ids).cumprod(dim=0).sum()) if k else 0
     return VerifyResult(num_accepted, target_ids[: num_accepted + 1].tolist())
 
@@ -88,7 +99,7 @@ def verify_tree_greedy(
 ) -> VerifyResult:
     """target_logits: [n + 1, vocab], row 0 after the root, row i + 1 after node i; draft_ids: [n].
     `exact_nodes`: only nodes below this index have rows the step may read (None: all)."""
-    target_ids = target_logits.argmax(dim=-1).tolist()
+    target_ids = greedy_ids(target_logits).tolist()
     draft = draft_ids.tolist()
     last = len(draft) if exact_nodes is None else exact_nodes
     path: list[int] = []
