@@ -13,7 +13,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from workers.verify import VerifyResult, greedy_ids, verify_greedy, verify_sampled
+from workers.sampling import greedy_ids
+from workers.verify import VerifyResult, verify_greedy, verify_sampled
 
 V = 6  # vocabulary of the statistical tests
 NUM_TRIALS = 20_000

@@ -36,6 +36,7 @@ import torch
 from workers.config import LookaheadDrafterConfig
 from workers.drafters.base import Draft, DraftContext
 from workers.drafters.suffix import SuffixDrafter, SuffixState
+from workers.sampling import greedy_ids
 from workers.tree import DraftTree
 
 
@@ -126,7 +127,7 @@ class LookaheadDrafter:
     def read_logits(self, state: LookaheadState, ctx: DraftContext, logits: torch.Tensor) -> None:
         if not state.columns or max(state.columns) + 1 >= logits.shape[0]:
             return  # the tree was cut to fit the token budget: the window waits
-        new = logits[[1 + n for n in state.columns]].argmax(dim=-1).tolist()
+        new = greedy_ids(logits[[1 + n for n in state.columns]]).tolist()
         levels = state.levels
         if len(levels) == self.config.ngram - 1:  # full: collect each column's n-gram, drop the oldest level
             for i, token in enumerate(new):

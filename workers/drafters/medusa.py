@@ -28,7 +28,7 @@ from torch import nn
 
 from workers.drafters.base import Draft, DraftContext, DraftRequest, full_vocab_probs, token_ids_of
 from workers.drafters.checkpoint import CheckpointError, missing_weights, read_config, write_config
-from workers.sampling import log_probs, probs_from_logits
+from workers.sampling import greedy_ids, log_probs, probs_from_logits
 from workers.tree import grow_tree
 
 WEIGHT_FILE = "medusa_lm_head.safetensors"
@@ -186,7 +186,7 @@ class MedusaDrafter:
             tree_rows = torch.tensor(rows_list, dtype=torch.long, device=logits.device)
             return Draft(token_ids_of(tree_rows, self.vocab_ids), tree=shape)
         if ctx.params.greedy:
-            rows, probs = logits.argmax(-1), None
+            rows, probs = greedy_ids(logits), None
         else:
             q = probs_from_logits(logits, ctx.params)
             rows = torch.multinomial(q, 1, generator=ctx.generator)[:, 0]

@@ -21,7 +21,7 @@ import torch
 from workers.config import MAX_DRAFT_LEN, ModelDrafterConfig
 from workers.drafters.base import Draft, DraftContext, DraftRequest, full_vocab_probs, token_ids_of
 from workers.models.base import BatchedLM, CausalLM, ForwardOutput, KVCache, KVPoolLike, SeqInput, forward_each
-from workers.sampling import log_probs, probs_from_logits
+from workers.sampling import greedy_ids, log_probs, probs_from_logits
 from workers.tree import TreeGrowth, grow_tree
 
 
@@ -123,7 +123,7 @@ class ModelDrafter:
         """The next draft token [1] from logits [1, vocab'], and its distribution over the whole
         vocabulary when sampled."""
         if ctx.params.greedy:
-            return token_ids_of(logits[0].argmax().view(1), self.vocab_ids), None
+            return token_ids_of(greedy_ids(logits[0]).view(1), self.vocab_ids), None
         p = probs_from_logits(logits, ctx.params)  # [1, vocab']
         row = torch.multinomial(p[0], 1, generator=ctx.generator)
         return token_ids_of(row, self.vocab_ids), full_vocab_probs(p, self.vocab_ids, self.model.info.vocab_size)
