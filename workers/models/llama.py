@@ -768,15 +768,9 @@ class _AttnGroup:
 
     lo: int
     hi: int
-    n_max: int  # inputs per slot: the longest member's
     l_max: int  # keys per slot, padded
-    num_rows: int  # grouped query rows per slot: n_max * group, padded (row invariance: _query_blocks_invariant)
+    num_rows: int  # grouped query rows per slot: the longest member's inputs x group, padded (_query_blocks_invariant)
     mask: torch.Tensor  # [slots, 1, num_rows, l_max] additive: the keys each grouped query row sees
-    members: list[SeqInput]
-
-    @property
-    def num_slots(self) -> int:
-        return self.hi - self.lo
 
     @classmethod
     def of(
@@ -814,7 +808,7 @@ class _AttnGroup:
         pad = torch.zeros(hi - lo, num_rows - n_max * group, l_max, dtype=torch.bool)
         pad[:, :, 0] = True
         grouped = torch.cat([mask.repeat_interleave(group, 1), pad], dim=1)  # [slots, num_rows, l_max]
-        return cls(lo, hi, n_max, l_max, num_rows, _additive(grouped[:, None].to(device), dtype), members)
+        return cls(lo, hi, l_max, num_rows, _additive(grouped[:, None].to(device), dtype))
 
 
 @dataclass
