@@ -100,6 +100,29 @@ def test_top_p_is_applied_per_row() -> None:
     assert probs[1, 0] == 0  # the smallest one goes
 
 
+def _nucleus_by_full_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The top-p rule over a full sort of the vocabulary's probabilities: which tokens are kept."""
+    sorted_probs, order = torch.sort(logits.softmax(dim=-1), dim=-1, descending=True)
+    drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+    return ~drop.scatter(-1, order, drop)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 3.0])
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.99])
+def test_top_p_keeps_the_tokens_a_full_sort_keeps(temperature: float, top_p: float) -> None:
+    """Over SmolLM2's 49,152-token vocabulary, peaked rows (a nucleus of a few tokens) and flat
+    ones (thousands: the cut then looks past its first ranks): the same tokens as the rule over
+    the whole sorted vocabulary."""
+    g = torch.Generator().manual_seed(int(100 * top_p + temperature))
+    peaked = torch.randn(3, 49152, generator=g) * 4
+    flat = torch.randn(3, 49152, generator=g) * 0.5
+    for logits in (peaked, flat, torch.cat([peaked, flat])):
+        probs = probs_from_logits(logits, params(temperature=temperature, top_p=top_p))
+        assert torch.equal(probs > 0, _nucleus_by_full_sort(logits / temperature, top_p))
+    if top_p >= 0.5 and temperature >= 1.0:  # flat rows: the cut looked past its first ranks
+        assert ((probs_from_logits(flat, params(temperature=temperature, top_p=top_p)) > 0).sum(-1) > 256).all()
+
+
 def test_top_k_then_top_p_support_is_within_top_k() -> None:
     logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
     probs = probs_from_logits(logits, params(top_k=5, top_p=0.9))

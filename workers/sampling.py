@@ -47,6 +47,9 @@ class SamplingParams:
         return self.temperature == 0
 
 
+_TOP_P_FIRST_RANKS = 256  # ranks a top-p cut looks at first; 4x more each time they hold too little mass
+
+
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[n, vocab] logits -> [n, vocab] float32 probabilities after temperature, top-k, top-p."""
     logits = logits.float() / params.temperature
@@ -54,12 +57,26 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        # drop a token when the tokens ranked above it already hold top_p of the mass
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        logits = logits.masked_fill(_top_p_drop(logits, params.top_p), float("-inf"))
     return logits.softmax(dim=-1)
+
+
+def _top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Where a token falls outside the nucleus: the tokens ranked above it already hold top_p of
+    the mass. Only the ranks that can be inside are sorted: the top r by probability (topk), r
+    grown until they hold top_p in every row, so every token below them is dropped. A full sort
+    of 49,152 logits took 2.4 ms a row on a 2-core CPU; a nucleus is mostly a few dozen tokens."""
+    probs = logits.softmax(dim=-1)
+    vocab = probs.shape[-1]
+    ranks = min(_TOP_P_FIRST_RANKS, vocab)
+    while True:
+        top, order = torch.topk(probs, ranks, dim=-1)  # sorted, largest first
+        mass = top.cumsum(dim=-1)
+        if ranks == vocab or bool((mass[..., -1] >= top_p).all()):
+            break
+        ranks = min(4 * ranks, vocab)
+    drop = torch.ones_like(probs, dtype=torch.bool)
+    return drop.scatter_(-1, order, mass - top >= top_p)
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
