@@ -25,6 +25,7 @@ from workers.config import ModelConfig, TargetConfig
 from workers.engine import SpecEngine
 from workers.models.base import SeqInput
 from workers.models.llama import (
+    FastLlama,
     KeySpan,
     KVPool,
     _additive,
@@ -248,6 +249,13 @@ def test_int4_hidden_states_are_the_same_with_keys_cut_or_in_whole_blocks(
         assert torch.equal(cut, whole)
 
 
+def _hidden_alone(model: FastLlama, head: list[int], tail: list[int]) -> torch.Tensor:
+    """The tail's hidden states after the head, one sequence in its own cache."""
+    cache = model.new_cache(1024)
+    model.forward(torch.tensor(head), cache, last_only=True)
+    return model.forward(torch.tensor(tail), cache, return_hidden=True).hidden
+
+
 @pytest.mark.parametrize("min_queries", [4, 6])
 def test_a_batch_of_decode_and_verify_steps_computes_each_row_as_alone(
     int4_engine: SpecEngine, int4_prompts: list[list[int]], min_queries: int,
@@ -272,9 +280,7 @@ def test_a_batch_of_decode_and_verify_steps_computes_each_row_as_alone(
         batched = model.forward_batch([SeqInput(torch.tensor(t), c) for t, c in zip(tails, caches)],
                                       return_hidden=True)
         for head, tail, out in zip(heads, tails, batched, strict=True):
-            alone = model.new_cache(1024)
-            model.forward(torch.tensor(head), alone, last_only=True)
-            assert torch.equal(out.hidden, model.forward(torch.tensor(tail), alone, return_hidden=True).hidden)
+            assert torch.equal(out.hidden, _hidden_alone(model, head, tail))
     finally:
         model.min_queries = probed
 
@@ -307,9 +313,7 @@ def test_a_batch_in_scattered_slots_computes_each_row_as_alone_in_one_call_or_ma
     calls = _attention_groups(batch, model.group, model.min_queries, model.key_span)
     assert len(calls) == (len(batch) if call_us == 0 else 1)
     for head, tail, out in zip(heads, tails, model.forward_batch(batch, return_hidden=True), strict=True):
-        alone = model.new_cache(1024)
-        model.forward(torch.tensor(head), alone, last_only=True)
-        assert torch.equal(out.hidden, model.forward(torch.tensor(tail), alone, return_hidden=True).hidden)
+        assert torch.equal(out.hidden, _hidden_alone(model, head, tail))
 
 
 def test_attention_groups_give_a_drafting_sequence_its_own_call_only_where_padding_costs_more(
