@@ -29,7 +29,7 @@ from bench.prompts import BenchPrompt
 from workers.batch import BatchEngine
 from workers.config import PLAIN
 from workers.engine import Generation, SpecEngine, StepOrder
-from workers.routing import RoutedBatch, Router
+from workers.routing import RoutedBatch, RoutedStep, Router
 from workers.sampling import SamplingParams
 
 PLAIN_METHOD, SERIAL_METHOD, ROUTER_METHOD = "plain", "plain-serial", "router"
@@ -105,7 +105,7 @@ def _run(engine: SpecEngine, router: Router | None, requests: Sequence[Request],
         return _serial(engine, requests, params, c)
     if method == ROUTER_METHOD:
         assert router is not None
-        return _routed(RoutedBatch(router), requests, params, c)
+        return run_routed(RoutedBatch(router), requests, params, c)
     order = StepOrder() if method == PLAIN_METHOD else StepOrder(method, engine.default_draft_len(method))
     return _batched(BatchEngine(engine), requests, params, c, order)
 
@@ -190,9 +190,14 @@ def _batched(batch: BatchEngine, requests: Sequence[Request], params: SamplingPa
                         step, output)
 
 
-def _routed(batch: RoutedBatch, requests: Sequence[Request], params: SamplingParams, concurrency: int) -> _Run:
+def run_routed(batch: RoutedBatch, requests: Sequence[Request], params: SamplingParams, concurrency: int,
+               on_step: Callable[[RoutedStep], None] | None = None) -> _Run:
+    """The closed loop under the router; `on_step` sees every step."""
+
     def step() -> tuple[int, list[tuple[Any, int]]]:
         done = batch.step()
+        if on_step is not None:
+            on_step(done)
         return done.batch.batch_size, [(r, st.num_emitted) for r, st in done.stats]
 
     def output(routed: Any) -> list[int]:

@@ -23,8 +23,14 @@ batch-size switch. Alone (one sequence, no prompt chunk) the rule reduces to the
 best k.
 
 `BatchCost` is T: measured once at start (router calibration) on one sequence's rows, and
-shifted live, per batch size, by what the steps of that size took beyond it (a unitless prior
-curve is scaled instead; workers/routing.py).
+corrected live: shifted per batch size, a draft row's price and a prompt row's each times a
+factor (a unitless prior curve is scaled instead; workers/routing.py). A step's prompt rows are priced on a curve of
+their own: they compute no logits and, on an int4 target with bfloat16 instructions, run on
+the dense copy of the weights (workers/models/quant.py), so the first prompt row of a step costs
+a read of those weights (~20 ms on a 2-core Xeon) and each further one a quarter of a scored
+row. Priced as scored rows, a step carrying a 240-row prompt chunk was predicted at 1.9x what
+it took, and the live shift that learned from it then priced the next plain steps of that batch
+size at a third of their time.
 
 Routing a step is host work too: every request's controller re-plans, its cheap drafters
 propose and are scored, and the rule runs (a few tenths of a millisecond a request on a 2-core
@@ -33,6 +39,8 @@ decoding is then faster. `BatchFallback` keeps, per batch size, what the rule's 
 promised (`predicted_gain`) against what routing them took per second of forward, and decodes a
 batch of that size plainly, without asking any controller, while the promise is the smaller;
 one step in ROUTE_PROBE_EVERY is routed all the same, so that the estimate follows the traffic.
+Steps that carry a prompt chunk are kept apart: the chunk makes them several times a decoding
+step's length, so the same drafts cost them a smaller share of it.
 Pure functions and value types, and one small state machine fed the measured numbers: no
 clock, no I/O.
 """
@@ -52,33 +60,64 @@ ROUTE_PROBE_EVERY = 32  # steps of a batch size decoded plainly between two rout
 FALLBACK_EMA = 0.2  # weight of the latest routed step in BatchFallback's estimates
 
 
+def _on_curve(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
+    """ys at x: linear between the points, ys[0] before the first, along the last slope past the last."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+    a, b = i - 1, i
+    return ys[a] + (x - xs[a]) * (ys[b] - ys[a]) / (xs[b] - xs[a])
+
+
+def _check_curve(xs: tuple[int, ...], ys: tuple[float, ...], what: str) -> None:
+    if not xs or len(xs) != len(ys) or list(xs) != sorted(set(xs)) or xs[0] < 1:
+        raise ValueError(f"BatchCost needs ascending, distinct {what} counts from 1, one time each")
+
+
 @dataclass(frozen=True)
 class BatchCost:
-    """Seconds of one target forward over n rows: measured at `rows` (ascending, from 1),
-    linear between them, extended along the last slope."""
+    """Seconds of one target forward: its scored rows (decoding, verifying) on the curve measured
+    at `rows` (ascending, from 1), linear between them, extended along the last slope; plus
+    what its prompt rows add (`prefill_s`)."""
 
     rows: tuple[int, ...]
     seconds: tuple[float, ...]
+    prefill_rows: tuple[int, ...] = ()  # prompt rows measured beside a decoding row
+    prefill_seconds: tuple[float, ...] = ()  # what they added to its step; none: priced as scored rows
 
     def __post_init__(self) -> None:
-        if not self.rows or len(self.rows) != len(self.seconds) or list(self.rows) != sorted(set(self.rows)):
-            raise ValueError("BatchCost needs ascending, distinct row counts, one time each")
+        _check_curve(self.rows, self.seconds, "row")
+        if self.prefill_rows or self.prefill_seconds:
+            _check_curve(self.prefill_rows, self.prefill_seconds, "prompt row")
 
-    def step_s(self, rows: float) -> float:
-        r, s = self.rows, self.seconds
-        if len(r) == 1 or rows <= r[0]:
-            return s[0]
-        i = min(bisect.bisect_left(r, rows), len(r) - 1)
-        a, b = i - 1, i
-        return s[a] + (rows - r[a]) * (s[b] - s[a]) / (r[b] - r[a])
+    def step_s(self, rows: float, prefill_rows: float = 0.0) -> float:
+        """A step of `rows` scored rows and `prefill_rows` prompt rows."""
+        if not self.prefill_rows:
+            return _on_curve(self.rows, self.seconds, rows + prefill_rows)
+        return _on_curve(self.rows, self.seconds, rows) + self.prefill_s(prefill_rows)
+
+    def prefill_s(self, prefill_rows: float) -> float:
+        """What `prefill_rows` prompt rows add to a step (0 without its own curve)."""
+        if prefill_rows <= 0 or not self.prefill_rows:
+            return 0.0
+        return _on_curve(self.prefill_rows, self.prefill_seconds, prefill_rows)
 
     def scaled(self, factor: float) -> BatchCost:
-        return BatchCost(self.rows, tuple(t * factor for t in self.seconds))
+        return BatchCost(self.rows, tuple(t * factor for t in self.seconds),
+                         self.prefill_rows, tuple(t * factor for t in self.prefill_seconds))
 
-    def shifted(self, offset: float) -> BatchCost:
-        """Every row count's seconds plus `offset` (never below half the one-row step)."""
+    def rows_scaled(self, pivot: int, factor: float) -> BatchCost:
+        """Rows past `pivot` at `factor` times the curve's price for them (pivot's seconds kept)."""
+        at = self.step_s(pivot)
+        return BatchCost(self.rows, tuple(at + factor * (t - at) for t in self.seconds),
+                         self.prefill_rows, self.prefill_seconds)
+
+    def shifted(self, offset: float, prefill_factor: float = 1.0) -> BatchCost:
+        """Every row count's seconds plus `offset` (never below half the one-row step), the
+        prompt rows' times `prefill_factor`."""
         offset = max(offset, -0.5 * self.seconds[0])
-        return BatchCost(self.rows, tuple(t + offset for t in self.seconds))
+        return BatchCost(self.rows, tuple(t + offset for t in self.seconds),
+                         self.prefill_rows, tuple(t * prefill_factor for t in self.prefill_seconds))
 
 
 @dataclass(frozen=True)
@@ -91,23 +130,50 @@ class DraftOption:
     propose_rate: float = 1.0  # share of steps the drafter proposes at all (prompt lookup)
     verified: tuple[int, ...] | None = None  # a tree's tokens verified at each depth; None: a chain
     propose_rates: tuple[float, ...] | None = None  # per position, of a chain drafter (StepCosts)
+    draft_rows: tuple[float, ...] | None = None  # rows verified beyond the root at each k (`cascade`)
 
     def rows(self, k: int) -> float:
         if k == 0:
             return 1.0
+        if self.draft_rows is not None:
+            return 1.0 + self.draft_rows[k]
         if self.verified is not None:
             return 1.0 + self.propose_rate * self.verified[k]
         return 1.0 + expected_rows(self.propose_rates, self.propose_rate, k)
 
 
-def allocate(options: Sequence[DraftOption | None], cost: BatchCost, prefill_rows: int = 0) -> list[int]:
+def cascade(tries: Sequence[DraftOption]) -> DraftOption:
+    """Drafters asked in turn, the first that proposes taking the step (cheap drafters tried
+    first, then the step's own; workers/shadows.py) as one option: each try's tokens, rows and
+    drafting time weighted by the chance that every try before it stayed silent (each one's
+    `prefix` and rows already count its own silent steps). Priced by its first try alone, a
+    cascade of prompt lookup and suffix decoding showed the rule ~80% of the rows it verified."""
+    if len(tries) == 1:
+        return tries[0]
+    top = max(t.max_k for t in tries)
+    prefix, rows = [0.0] * top, [0.0] * (top + 1)
+    draft_s, reach = 0.0, 1.0
+    for t in tries:
+        for j in range(t.max_k):
+            prefix[j] += reach * t.prefix[j]
+        for k in range(top + 1):
+            rows[k] += reach * (t.rows(min(k, t.max_k)) - 1.0)
+        draft_s += reach * t.draft_s_per_token
+        reach *= 1.0 - t.propose_rate
+    return DraftOption(tuple(prefix), top, draft_s, propose_rate=1.0 - reach, draft_rows=tuple(rows))
+
+
+def allocate(options: Sequence[DraftOption | None], cost: BatchCost, fixed_rows: int = 0,
+             prefill_rows: int = 0) -> list[int]:
     """The k of each sequence (None: it decodes plainly) maximising the batch's expected tokens
-    per second over the draft positions admitted in rank order (see the module doc)."""
+    per second over the draft positions admitted in rank order (see the module doc).
+    `fixed_rows`: scored rows beyond one per sequence the rule has no say over (forced drafts);
+    `prefill_rows`: the step's prompt rows."""
     ks = [0] * len(options)
     tokens = float(len(options))
-    rows = float(prefill_rows + len(options))
+    rows = float(fixed_rows + len(options))
     draft_s = 0.0
-    best_goodput, best_ks = tokens / cost.step_s(rows), list(ks)
+    best_goodput, best_ks = tokens / cost.step_s(rows, prefill_rows), list(ks)
     extra = sum(opt.rows(opt.max_k) - 1.0 for opt in options if opt is not None)
     row_price = (cost.step_s(rows + extra) - cost.step_s(rows)) / extra if extra > 0 else 0.0
 
@@ -131,25 +197,45 @@ def allocate(options: Sequence[DraftOption | None], cost: BatchCost, prefill_row
         rows += opt.rows(k + 1) - opt.rows(k)
         draft_s += opt.draft_s_per_token
         ks[i] = k + 1
-        goodput = tokens / (cost.step_s(rows) + draft_s)
+        goodput = tokens / (cost.step_s(rows, prefill_rows) + draft_s)
         if goodput > best_goodput * (1.0 + MIN_GAIN):
             best_goodput, best_ks = goodput, list(ks)
         rank(i)
     return best_ks
 
 
-def predicted_gain(options: Sequence[DraftOption | None], ks: Sequence[int], cost: BatchCost,
-                   prefill_rows: int = 0) -> float:
-    """G(ks) / G(0) - 1: what drafting ks adds to the step's expected tokens per second (the
-    arguments as `allocate` takes them)."""
-    tokens, rows, draft_s = float(len(options)), float(prefill_rows + len(options)), 0.0
+@dataclass(frozen=True)
+class Forecast:
+    """What an allocation expects of its step."""
+
+    tokens: float  # emitted, in expectation
+    step_s: float  # the forward over the expected rows, plus drafting
+    plain_tokens: int  # the same step without drafts: one token a sequence
+    plain_s: float
+
+    @property
+    def gain(self) -> float:
+        """G(ks) / G(0) - 1: what the drafts add to the step's tokens per second."""
+        return self.tokens / self.step_s / (self.plain_tokens / self.plain_s) - 1.0
+
+
+def forecast(options: Sequence[DraftOption | None], ks: Sequence[int], cost: BatchCost,
+             fixed_rows: int = 0, prefill_rows: int = 0) -> Forecast:
+    """The step an allocation `ks` runs (the other arguments as `allocate` takes them)."""
+    tokens, rows, draft_s = float(len(options)), float(fixed_rows + len(options)), 0.0
     for opt, k in zip(options, ks, strict=True):
         if opt is not None and k:
             tokens += sum(opt.prefix[:k])
             rows += opt.rows(k) - 1.0
             draft_s += k * opt.draft_s_per_token
-    plain = len(options) / cost.step_s(prefill_rows + len(options))
-    return tokens / (cost.step_s(rows) + draft_s) / plain - 1.0
+    return Forecast(tokens, cost.step_s(rows, prefill_rows) + draft_s, len(options),
+                    cost.step_s(fixed_rows + len(options), prefill_rows))
+
+
+def predicted_gain(options: Sequence[DraftOption | None], ks: Sequence[int], cost: BatchCost,
+                   fixed_rows: int = 0, prefill_rows: int = 0) -> float:
+    """G(ks) / G(0) - 1: what drafting ks adds to the step's expected tokens per second."""
+    return forecast(options, ks, cost, fixed_rows, prefill_rows).gain
 
 
 @dataclass
@@ -162,15 +248,17 @@ class RoutingEstimate:
 
 
 class BatchFallback:
-    """Per number of decoding requests: whether routing the next step pays for its host work
-    (see the module doc). A size not yet seen, and a single request, are always routed."""
+    """Per number of decoding requests, and whether the step carries prompt rows: whether routing
+    the next step pays for its host work (see the module doc). A kind not yet seen, and a single
+    request, are always routed."""
 
     def __init__(self) -> None:
-        self._sizes: dict[int, RoutingEstimate] = {}
+        self._kinds: dict[tuple[int, bool], RoutingEstimate] = {}
 
-    def route(self, num_decoding: int) -> bool:
-        """Whether the next step of `num_decoding` requests is routed (else: decoded plainly)."""
-        est = self._sizes.get(num_decoding)
+    def route(self, num_decoding: int, prefilling: bool = False) -> bool:
+        """Whether the next step of `num_decoding` requests (`prefilling`: and prompt rows) is
+        routed (else: decoded plainly)."""
+        est = self._kinds.get((num_decoding, prefilling))
         if num_decoding < 2 or est is None or est.gain > est.overhead:
             return True
         est.plain_steps += 1
@@ -179,15 +267,15 @@ class BatchFallback:
             return True
         return False
 
-    def observe(self, num_decoding: int, gain: float, overhead: float) -> None:
+    def observe(self, num_decoding: int, gain: float, overhead: float, prefilling: bool = False) -> None:
         """A routed step: the rule's predicted gain, and its routing seconds per forward second."""
-        est = self._sizes.get(num_decoding)
+        est = self._kinds.get((num_decoding, prefilling))
         if est is None:
-            self._sizes[num_decoding] = RoutingEstimate(gain, overhead)
+            self._kinds[num_decoding, prefilling] = RoutingEstimate(gain, overhead)
             return
         est.gain += FALLBACK_EMA * (gain - est.gain)
         est.overhead += FALLBACK_EMA * (overhead - est.overhead)
 
-    def estimate(self, num_decoding: int) -> RoutingEstimate | None:
-        """The estimates of this batch size; None: not seen."""
-        return self._sizes.get(num_decoding)
+    def estimate(self, num_decoding: int, prefilling: bool = False) -> RoutingEstimate | None:
+        """The estimates of this kind of step; None: not seen."""
+        return self._kinds.get((num_decoding, prefilling))

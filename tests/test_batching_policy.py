@@ -9,7 +9,16 @@ import statistics
 
 import pytest
 
-from policies.batching import ROUTE_PROBE_EVERY, BatchCost, BatchFallback, DraftOption, allocate, predicted_gain
+from policies.batching import (
+    ROUTE_PROBE_EVERY,
+    BatchCost,
+    BatchFallback,
+    DraftOption,
+    allocate,
+    cascade,
+    forecast,
+    predicted_gain,
+)
 from policies.cost import StepCosts, best_draft_len, expected_tokens, prefix_acceptance
 
 
@@ -22,6 +31,22 @@ def test_batch_cost_interpolates_and_extends_along_the_last_slope() -> None:
     assert cost.shifted(-2.0).step_s(1) == pytest.approx(0.5)  # never below half the one-row step
     with pytest.raises(ValueError):
         BatchCost((2, 1), (1.0, 1.0))
+
+
+def test_prompt_rows_are_priced_on_their_own_curve() -> None:
+    """Prompt rows compute no logits (and may run on other weights): what they add to a step is
+    measured apart; without that curve they are priced as scored rows."""
+    cost = BatchCost((1, 2, 8), (1.0, 1.2, 2.4), prefill_rows=(1, 101), prefill_seconds=(0.5, 1.5))
+    assert cost.prefill_s(0) == 0.0 and cost.step_s(2, 0) == pytest.approx(1.2)
+    assert cost.step_s(2, 1) == pytest.approx(1.7)
+    assert cost.step_s(2, 51) == pytest.approx(2.2)
+    assert cost.step_s(2, 201) == pytest.approx(3.7)  # along the last slope
+    assert BatchCost((1, 2, 8), (1.0, 1.2, 2.4)).step_s(2, 6) == pytest.approx(2.4)  # as 8 scored rows
+    # the live corrections: a shift for the scored rows, a factor for the prompt rows
+    assert cost.shifted(0.5, prefill_factor=2.0).step_s(2, 51) == pytest.approx(1.7 + 2.0)
+    assert cost.scaled(2.0).step_s(2, 51) == pytest.approx(4.4)
+    with pytest.raises(ValueError):
+        BatchCost((1,), (1.0,), prefill_rows=(1, 2), prefill_seconds=(0.5,))
 
 
 @pytest.mark.parametrize("rate", [0.9, 0.6, 0.3])
@@ -42,6 +67,46 @@ def test_a_batch_whose_rows_cost_full_price_drafts_nothing() -> None:
     assert allocate(options, cost) == [0] * 16
     # the same sequences alone on a flat curve draft
     assert allocate(options[:1], cost) != [0]
+
+
+def test_draft_rows_in_a_batch_are_priced_by_a_factor_on_the_curve_past_the_pivot() -> None:
+    cost = BatchCost((1, 4, 8), (1.0, 1.3, 2.5))
+    scaled = cost.rows_scaled(4, 2.0)
+    assert scaled.step_s(4) == pytest.approx(1.3)  # the batch's own rows keep their price
+    assert scaled.step_s(6) == pytest.approx(1.3 + 2.0 * 0.6)
+    assert scaled.step_s(10) == pytest.approx(1.3 + 2.0 * 1.8)  # past the last point too
+
+
+def test_a_cascade_prices_each_try_by_the_chance_it_is_reached() -> None:
+    """Prompt lookup first (proposes on half the steps), then suffix decoding (0.4 of steps), then
+    nothing: suffix drafts only where lookup stayed silent."""
+    lookup = DraftOption((0.45, 0.4, 0.3, 0.2), 4, propose_rate=0.5, propose_rates=(0.5, 0.45, 0.4, 0.3))
+    suffix = DraftOption((0.3, 0.1), 2, draft_s_per_token=0.01, propose_rate=0.4)
+    both = cascade([lookup, suffix])
+    assert cascade([lookup]) is lookup
+    assert both.max_k == 4 and both.propose_rate == pytest.approx(1 - 0.5 * 0.6)
+    assert both.prefix == pytest.approx((0.45 + 0.5 * 0.3, 0.4 + 0.5 * 0.1, 0.3, 0.2))
+    for k in range(5):
+        expected = lookup.rows(k) - 1 + 0.5 * (suffix.rows(min(k, 2)) - 1)
+        assert both.rows(k) == pytest.approx(1 + expected)
+    assert both.draft_s_per_token == pytest.approx(0.5 * 0.01)
+    # priced by its first try alone the step looks shorter and emptier than it is
+    cost = BatchCost((1, 2, 8), (1.0, 1.2, 2.4))
+    alone, priced = forecast([lookup], [2], cost), forecast([both], [2], cost)
+    assert priced.tokens > alone.tokens and priced.step_s > alone.step_s
+
+
+def test_a_step_carrying_a_prompt_chunk_drafts_where_a_decoding_step_would_not() -> None:
+    """The chunk makes the step long, so a draft row costs a smaller share of it; the same rows
+    priced as scored ones would make the step dearer still, but also every draft row at the
+    curve's steepest."""
+    cost = BatchCost((1, 8, 64), (1.0, 1.4, 8.0), prefill_rows=(1, 256), prefill_seconds=(2.0, 6.0))
+    options: list[DraftOption | None] = [DraftOption(tuple(prefix_acceptance([0.7] * 6)), 6) for _ in range(16)]
+    assert allocate(options, cost) == [0] * 16
+    ks = allocate(options, cost, prefill_rows=200)
+    assert sum(ks) > 0
+    assert predicted_gain(options, ks, cost, prefill_rows=200) > 0.0
+    assert predicted_gain(options, ks, cost) < 0.0  # the same drafts in a decoding step lose
 
 
 def test_draft_positions_go_to_the_sequences_likeliest_to_accept_them() -> None:
@@ -132,3 +197,12 @@ def test_a_batch_size_decodes_plainly_while_routing_it_costs_more_than_its_draft
     assert fallback.route(16) and fallback.route(16)
     est = fallback.estimate(16)
     assert est is not None and est.gain > est.overhead and fallback.estimate(8) is None
+
+
+def test_steps_carrying_prompt_rows_are_estimated_apart() -> None:
+    fallback = BatchFallback()
+    fallback.observe(16, gain=0.02, overhead=0.05)
+    fallback.observe(16, gain=0.40, overhead=0.01, prefilling=True)
+    assert fallback.route(16, prefilling=True) and not fallback.route(16)
+    est = fallback.estimate(16, prefilling=True)
+    assert est is not None and est.gain == pytest.approx(0.40) and fallback.estimate(8, prefilling=True) is None

@@ -26,6 +26,8 @@ from workers.drafters.registry import build_drafter
 from workers.engine import RequestError, SpecEngine
 from workers.routing import (
     BATCH_COST_DENSE_ROWS,
+    BATCH_COST_PREFILL_ROWS,
+    COST_FACTOR_RANGE,
     RoutedBatch,
     RoutedGeneration,
     Router,
@@ -301,30 +303,60 @@ def test_the_batch_cost_is_measured_at_every_row_count_of_a_staircase(
     assert cost.rows[-1] == top
     assert list(cost.seconds) == sorted(cost.seconds) and min(cost.seconds) >= 0.002
     warm_up = [n for n in cost.rows if n & (n - 1) == 0 or n == top]
-    assert len(waits) == len(warm_up) + len(cost.rows)
+    # prompt rows beside a decoding row, up to the budget less that row; the row alone as well
+    assert cost.prefill_rows == (*(n for n in BATCH_COST_PREFILL_ROWS if n < top - 1), top - 1)
+    assert list(cost.prefill_seconds) == sorted(cost.prefill_seconds) and min(cost.prefill_seconds) >= 0.0
+    prefill_steps = 2 * (1 + len(cost.prefill_rows))  # a warm-up round and one timed round
+    assert len(waits) == len(warm_up) + len(cost.rows) + prefill_steps
 
 
 def test_a_routed_batch_shifts_the_cost_curve_per_batch_size(tiny_engine: SpecEngine) -> None:
     """A batch's step costs the measured one-sequence curve plus what steps of its size took
-    beyond it (a draft row barely changes a batch's attention): the first step of a size sets its
-    offset, a size not seen yet takes the nearest one's; routed outputs stay plain decoding's."""
+    beyond it: a step verifying no draft sets or moves its size's offset (a size not seen yet
+    takes the nearest one's); one verifying drafts, once an offset is known, corrects the draft
+    rows' price instead; one that also runs a prompt chunk corrects the prompt rows' price only.
+    Routed outputs stay plain decoding's."""
     measured = measure_batch_cost(tiny_engine, context_len=16, repeats=1)
     router = Router(tiny_engine, load_policy(policy_dict()), MemoryStats(), seed=0, batch_cost=measured)
     batch = RoutedBatch(router)
-    running = [batch.add(tiny_engine.encode(t), greedy(16), t) for t in TEXTS[:3]]
+    running = [batch.add(tiny_engine.encode(t), greedy(16), t) for t in TEXTS[:2]]
     assert batch.step_cost(3) is measured  # nothing seen yet
-    first: dict[int, float] = {}
+    seen = {"prompt": 0, "draft": 0, "shift": 0}
+    num_steps = 0
     while batch.num_running or batch.num_waiting:
+        if num_steps == 3:  # its prompt runs beside the two decoding requests
+            running.append(batch.add(tiny_engine.encode(TEXTS[2]), greedy(16), TEXTS[2]))
+        offsets, prefill, draft = dict(batch.cost_offsets), batch.prefill_factor, batch.draft_row_factor
         step = batch.step()
-        n = len(step.stats)
-        if n and n not in first:
-            first[n] = step.batch.forward_s - measured.step_s(step.batch.num_rows)
-            assert batch.cost_offsets[n] == pytest.approx(first[n])
-    assert first and set(batch.cost_offsets) == set(first)
-    n = max(first)
+        num_steps += 1
+        n, rows = len(step.stats), step.batch.num_rows
+        prompt_rows = sum(k for _, k in step.batch.prefilled)
+        if not n:
+            assert (batch.cost_offsets, batch.prefill_factor, batch.draft_row_factor) == (offsets, prefill, draft)
+        elif prompt_rows:
+            seen["prompt"] += 1
+            assert batch.cost_offsets == offsets and batch.draft_row_factor == draft
+            assert COST_FACTOR_RANGE[0] <= batch.prefill_factor <= COST_FACTOR_RANGE[1]
+        elif rows > n and offsets and measured.step_s(rows) > measured.step_s(n):  # drafts the curve prices
+            seen["draft"] += 1
+            assert batch.cost_offsets == offsets and batch.prefill_factor == prefill
+            assert batch.draft_row_factor != draft
+            assert COST_FACTOR_RANGE[0] <= batch.draft_row_factor <= COST_FACTOR_RANGE[1]
+        else:
+            seen["shift"] += 1
+            assert batch.prefill_factor == prefill and batch.draft_row_factor == draft
+            excess = step.batch.forward_s - measured.rows_scaled(n, draft).step_s(rows)
+            known = offsets.get(n)
+            assert batch.cost_offsets[n] == pytest.approx(excess if known is None else known + 0.1 * (excess - known))
+    assert all(seen.values()), seen
+    n = max(batch.cost_offsets)
     offset = max(batch.cost_offsets[n], -0.5 * measured.seconds[0])
-    assert batch.step_cost(n).step_s(7) == pytest.approx(measured.step_s(7) + offset)
-    assert batch.step_cost(n + 5).step_s(7) == pytest.approx(batch.step_cost(n).step_s(7))
+    plain = measured.step_s(n) + offset
+    assert batch.step_cost(n).step_s(n) == pytest.approx(plain)
+    assert batch.step_cost(n).step_s(n + 4) == pytest.approx(
+        plain + batch.draft_row_factor * (measured.step_s(n + 4) - measured.step_s(n)))
+    assert batch.step_cost(n + 5).step_s(n + 5) == pytest.approx(measured.step_s(n + 5) + offset)  # the nearest size's
+    assert batch.step_cost(n).step_s(n, 40) == pytest.approx(plain + batch.prefill_factor * measured.prefill_s(40))
     for routed, text in zip(running, TEXTS[:3]):
         assert routed.result().token_ids == plain_ids(tiny_engine, text, 16)
         routed.close()

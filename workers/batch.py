@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from workers.drafters.base import BatchDrafter
 from workers.engine import Generation, PreparedStep, SpecEngine, StepOrder, StepStats
-from workers.models.base import BatchedLM, ForwardOutput, SeqInput, forward_each, synchronize
+from workers.models.base import BatchedLM, ForwardOutput, SeqInput, forward_rows, synchronize
 from workers.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,4 @@ class BatchEngine:
             self.running.append(gen)
 
     def _forward(self, inputs: Sequence[SeqInput]) -> list[ForwardOutput]:
-        model, hidden = self.engine.target.model, self.engine.needs_hidden_states
-        if isinstance(model, BatchedLM):
-            return model.forward_batch(inputs, return_hidden=hidden)
-        return forward_each(model, inputs, hidden)
+        return forward_rows(self.engine.target.model, inputs, self.engine.needs_hidden_states)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from policies.batching import BatchCost, BatchFallback, DraftOption, allocate, predicted_gain
+from policies.batching import BatchCost, BatchFallback, DraftOption, Forecast, allocate, cascade, forecast
 from policies.classifier import Classification, DomainClassifier
 from policies.controller import StepChoice, StepController
 from policies.cost import CostTable
@@ -34,7 +34,7 @@ from workers.config import PLAIN, LookaheadDrafterConfig, RoutingConfig
 from workers.drafters.base import drafted_tree
 from workers.drafters.remote import RemoteDrafter
 from workers.engine import Generation, SpecEngine, StepOrder
-from workers.models.base import synchronize
+from workers.models.base import BatchedLM, SeqInput, forward_rows, synchronize
 from workers.result import GenerationResult, RequestError, RoutingReport, Segment, StepStats
 from workers.sampling import SamplingParams
 from workers.shadows import CheapDrafters
@@ -84,12 +84,16 @@ def measure_costs(engine: SpecEngine, context_len: int = 64, repeats: int = 3) -
 # a step's 5th row costs a third of a plain step and each of the next three ~5%), then doubling
 BATCH_COST_DENSE_ROWS = 48
 BATCH_COST_ROWS = (*range(1, BATCH_COST_DENSE_ROWS + 1), 64, 128, 256, 512)
+# prompt rows the batch cost's prefill curve is measured at (and the token budget less one decoding row):
+# the first costs most (on an int4 target, a read of the dense weights prompt rows run on), then ~linear
+BATCH_COST_PREFILL_ROWS = (1, 8, 32, 128, 512)
 
 
 def measure_batch_cost(engine: SpecEngine, context_len: int = 64, repeats: int = 2) -> BatchCost:
     """T(rows): the best of `repeats` target forwards over n rows after a `context_len`-token
     prefix, for n up to the scheduler's token budget (and the largest verify a step may run),
-    made non-decreasing (a slow outlier takes the time of a larger n)."""
+    made non-decreasing (a slow outlier takes the time of a larger n); and what a step's prompt
+    rows add to it (`measure_prefill_cost`)."""
     model = engine.target.model
     top = max(engine.config.scheduler.max_num_batched_tokens, engine.config.max_draft_len + 1)
     rows = [n for n in BATCH_COST_ROWS if n < top] + [top]
@@ -113,9 +117,50 @@ def measure_batch_cost(engine: SpecEngine, context_len: int = 64, repeats: int =
     for _ in range(repeats):
         for i, n in enumerate(rows):
             best[i] = min(best[i], forward_s(n))
-    for i in range(len(best) - 2, -1, -1):
-        best[i] = min(best[i], best[i + 1])
-    return BatchCost(tuple(rows), tuple(best))
+    prefill_rows = [n for n in BATCH_COST_PREFILL_ROWS if n < top - 1] + [top - 1]
+    prefill_s = measure_prefill_cost(engine, prefill_rows, context_len, repeats)
+    return BatchCost(tuple(rows), _non_decreasing(best), tuple(prefill_rows), prefill_s)
+
+
+def measure_prefill_cost(engine: SpecEngine, rows: Sequence[int], context_len: int, repeats: int) -> tuple[float, ...]:
+    """What p prompt rows add to a step, for each p of `rows`: the best of `repeats` steps of one
+    decoding row beside a chunk of p prompt rows, less the best step of the row alone, both
+    sequences after `context_len` tokens; made non-decreasing."""
+    model = engine.target.model
+    top = max(rows)
+    ids = torch.arange(context_len + top, device=model.device) * 7919 % model.info.vocab_size
+    if isinstance(model, BatchedLM):
+        pool = model.new_pool(2, context_len + top)
+        decoding, prompt = pool.allocate(), pool.allocate()
+    else:
+        decoding, prompt = model.new_cache(context_len + 1), model.new_cache(context_len + top)
+    forward_rows(model, [SeqInput(ids[:context_len], c, "none") for c in (decoding, prompt)])
+
+    def step_s(p: int) -> float:
+        inputs = [SeqInput(ids[context_len : context_len + 1], decoding, "all")]
+        if p:
+            inputs.append(SeqInput(ids[context_len : context_len + p], prompt, "none"))
+        t0 = time.perf_counter()
+        forward_rows(model, inputs)
+        synchronize(model.device)
+        elapsed = time.perf_counter() - t0
+        decoding.truncate(context_len)
+        prompt.truncate(context_len)
+        return elapsed
+
+    counts = [0, *rows]
+    for p in counts:  # warm up
+        step_s(p)
+    best = [min(step_s(p) for _ in range(repeats)) for p in counts]
+    return _non_decreasing([max(0.0, t - best[0]) for t in best[1:]])
+
+
+def _non_decreasing(seconds: Sequence[float]) -> tuple[float, ...]:
+    """Each time, or a later one where that is smaller: a slow outlier takes the time of more rows."""
+    out = list(seconds)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return tuple(out)
 
 
 def relative_batch_cost(costs: CostTable) -> BatchCost:
@@ -356,15 +401,22 @@ class RoutedGeneration:
         return self.cheap.order(choice)
 
     def draft_option(self, choice: StepChoice) -> DraftOption | None:
-        """The choice as the batch's goodput rule prices it; None where the rule has no say: a
-        plain step, or a request that fixed its drafter and k."""
-        name, k = ((choice.first[0].drafter, choice.first[0].draft_len) if choice.first
-                   else (choice.drafter, choice.draft_len))
-        if name == PLAIN or k == 0 or not self.controller.adaptive or not self.controller.knows(name):
+        """The choice as the batch's goodput rule prices it (its cheap drafters tried first, then
+        its own: one `cascade`); None where the rule has no say: a plain step, or a request that
+        fixed its drafter and k."""
+        tries = [(t.drafter, t.draft_len) for t in choice.first]
+        if choice.drafter != PLAIN and choice.draft_len:
+            tries.append((choice.drafter, choice.draft_len))
+        tries = [(name, k) for name, k in tries if k]
+        if not tries or not self.controller.adaptive or not all(self.controller.knows(n) for n, _ in tries):
             return None
-        est, costs = self.controller.estimate(name), self.controller.costs
-        return DraftOption(est.prefix, k, costs.draft_s_per_token.get(name, 0.0), est.proposes,
-                           costs.tree_sizes.get(name), est.proposed)
+        costs = self.controller.costs
+        options = []
+        for name, k in tries:
+            est = self.controller.estimate(name)
+            options.append(DraftOption(est.prefix, k, costs.draft_s_per_token.get(name, 0.0), est.proposes,
+                                       costs.tree_sizes.get(name), est.proposed))
+        return cascade(options)
 
     def observe(self, choice: StepChoice, stats: StepStats) -> None:
         """Account a step that ran `choice`: the controller's estimates, the records, the schedule."""
@@ -445,6 +497,7 @@ class RoutedGeneration:
 
 
 COST_EMA = 0.1  # weight of the latest step in the live correction of the batch cost curve
+COST_FACTOR_RANGE = (0.25, 4.0)  # what one step may say of a price (draft rows, prompt rows) against the measured one
 BATCH_PLAIN = StepChoice(PLAIN, 0, FALLBACK, 1.0)  # a step of a batch routing would not pay for (BatchFallback)
 
 
@@ -456,6 +509,7 @@ class RoutedStep:
     failed: list[tuple[RoutedGeneration, Exception]]  # requests the step failed (closed by their owner)
     batch: BatchStep
     routed: bool = True  # False: decoded plainly, no controller asked (BatchFallback)
+    forecast: Forecast | None = None  # what the goodput rule expected of the drafts it admitted
 
 
 class RoutedBatch:
@@ -474,7 +528,12 @@ class RoutedBatch:
     curve is shifted, not scaled, by what steps of each batch size took beyond it: on 330
     logged steps of 5 and 16 requests drafting 0-3 tokens each (int4, docs/benchmarks.md) the
     shifted curve predicted a step within 12% on average, the scaled one within 32%, pricing a
-    draft row at 2.8x its cost with 16 requests."""
+    draft row at 2.8x its cost with 16 requests. The shift is learned from steps that verify no
+    draft, and a draft row's price in a batch from the steps that do (one factor on the curve's
+    price of the rows past one a request: learned into the shift, a step of 4 requests drafting
+    on int4 weights made plain steps of 4 look 1.2x their time, and drafting 18% better than
+    plain where it was 2-11% worse). A step with prompt rows teaches their price instead (a
+    factor on their measured curve), so a prompt chunk neither skews the shift nor is mispriced."""
 
     def __init__(self, router: Router, batch: BatchEngine | None = None) -> None:
         self.router = router
@@ -484,6 +543,8 @@ class RoutedBatch:
         # predicted seconds (a measured curve); measured / predicted (the unitless prior)
         self.cost_offsets: dict[int, float] = {}
         self.cost_scale = 1.0
+        self.prefill_factor = 1.0  # the prompt rows' measured / priced seconds, smoothed (a measured curve)
+        self.draft_row_factor = 1.0  # a draft row's measured / priced seconds in a batch, smoothed (idem)
         self.fallback = BatchFallback()  # whether routing a batch of each size pays for its host work
 
     @property
@@ -510,13 +571,14 @@ class RoutedBatch:
         t0 = time.perf_counter()
         decoding = self.batch.schedule()
         num_decoding = len(decoding)
-        routed = self.fallback.route(num_decoding)
+        prefill_rows = self.batch.num_prefill_rows(num_decoding)
+        routed = self.fallback.route(num_decoding, prefill_rows > 0)
         choices = {gen: self.requests[gen].choose() if routed or not self.requests[gen].may_decode_plainly
                    else BATCH_PLAIN for gen in decoding}
-        gain = None
-        prefill_rows = self.batch.num_prefill_rows(num_decoding)
+        allocated, expected = False, None
         if routed and (len(choices) > 1 or (choices and prefill_rows)):
-            choices, gain = self._allocate(choices, prefill_rows, self.step_cost(num_decoding))
+            allocated = True
+            choices, expected = self._allocate(choices, prefill_rows, self.step_cost(num_decoding))
         orders = {gen: self.requests[gen].order(choice) for gen, choice in choices.items() if choice is not BATCH_PLAIN}
         routing_s = time.perf_counter() - t0
         step = self.batch.step(orders)
@@ -531,34 +593,54 @@ class RoutedBatch:
         failed = [(self.requests.pop(gen), e) for gen, e in step.failed]
         routing_s += time.perf_counter() - t1
         if decoding and step.num_rows and step.forward_s > 0:
-            predicted = self.router.batch_cost.step_s(step.num_rows)
-            if self.router.batch_cost_in_seconds:
-                excess, known = step.forward_s - predicted, self.cost_offsets.get(num_decoding)
-                self.cost_offsets[num_decoding] = excess if known is None else known + COST_EMA * (excess - known)
-            else:
-                self.cost_scale += COST_EMA * (step.forward_s / predicted - self.cost_scale)
-            if gain is not None:
-                self.fallback.observe(num_decoding, gain, routing_s / step.forward_s)
-        return RoutedStep(stats, failed, step, routed)
+            self._learn_cost(num_decoding, step)
+            if allocated:
+                gain = 0.0 if expected is None else expected.gain
+                self.fallback.observe(num_decoding, gain, routing_s / step.forward_s, prefill_rows > 0)
+        return RoutedStep(stats, failed, step, routed, expected)
+
+    def _learn_cost(self, num_decoding: int, step: BatchStep) -> None:
+        """Correct the cost curve by what the step took: the unitless prior's scale; else the
+        prompt rows' price factor (a step with prompt rows), the draft rows' (a step verifying
+        drafts, once a shift is known) or the shift of its batch size."""
+        cost = self.router.batch_cost
+        prompt_rows = sum(n for _, n in step.prefilled)
+        scored = step.num_rows - prompt_rows
+        if not self.router.batch_cost_in_seconds:
+            self.cost_scale += COST_EMA * (step.forward_s / cost.step_s(scored, prompt_rows) - self.cost_scale)
+        elif prompt_rows and cost.prefill_rows:
+            priced = cost.prefill_s(prompt_rows)
+            factor = _clamp((step.forward_s - self.step_cost(num_decoding).step_s(scored)) / priced)
+            self.prefill_factor += COST_EMA * (factor - self.prefill_factor)
+        elif scored > num_decoding and self.cost_offsets and cost.step_s(scored) > cost.step_s(num_decoding):
+            plain = self.step_cost(num_decoding).step_s(num_decoding)
+            factor = _clamp((step.forward_s - plain) / (cost.step_s(scored) - cost.step_s(num_decoding)))
+            self.draft_row_factor += COST_EMA * (factor - self.draft_row_factor)
+        else:
+            priced = cost.rows_scaled(num_decoding, self.draft_row_factor).step_s(scored, prompt_rows)
+            excess, known = step.forward_s - priced, self.cost_offsets.get(num_decoding)
+            self.cost_offsets[num_decoding] = excess if known is None else known + COST_EMA * (excess - known)
 
     def step_cost(self, num_decoding: int) -> BatchCost:
         """T for a step of `num_decoding` requests: the measured curve shifted by the live offset
-        of that batch size, or of the nearest one seen so far (the prior: scaled to seconds)."""
+        of that batch size, or of the nearest one seen so far, its draft rows' and prompt rows'
+        prices times their live factors (the prior: scaled to seconds)."""
         cost = self.router.batch_cost
         if not self.router.batch_cost_in_seconds:
             return cost.scaled(self.cost_scale)
-        if not self.cost_offsets:
+        if not self.cost_offsets and self.prefill_factor == 1.0 and self.draft_row_factor == 1.0:
             return cost
-        nearest = min(self.cost_offsets, key=lambda n: (abs(n - num_decoding), n))
-        return cost.shifted(self.cost_offsets[nearest])
+        nearest = min(self.cost_offsets, key=lambda n: (abs(n - num_decoding), n), default=None)
+        offset = 0.0 if nearest is None else self.cost_offsets[nearest]
+        return cost.shifted(offset, self.prefill_factor).rows_scaled(num_decoding, self.draft_row_factor)
 
     def _allocate(
         self, choices: Mapping[Generation, StepChoice], prefill_rows: int, cost: BatchCost,
-    ) -> tuple[dict[Generation, StepChoice], float]:
+    ) -> tuple[dict[Generation, StepChoice], Forecast | None]:
         """Each choice capped by the goodput rule over `cost` (choices it has no say over keep their
-        rows), and the gain the rule predicts for the capped drafts (`predicted_gain`)."""
+        rows), and what the rule expects of the capped drafts (None: it had none to price)."""
         out, priced = dict(choices), []
-        fixed_rows = prefill_rows
+        fixed_rows = 0
         for gen, choice in choices.items():
             option = self.requests[gen].draft_option(choice)
             if option is not None:
@@ -566,13 +648,18 @@ class RoutedBatch:
             elif choice.drafter != PLAIN:
                 fixed_rows += choice.draft_len  # a forced draft: its rows beyond the 1 counted below
         if not priced:
-            return out, 0.0
+            return out, None
         options: list[DraftOption | None] = [o for _, o in priced]
         options += [None] * (len(choices) - len(priced))  # plain or fixed: one row, one token each
-        ks = allocate(options, cost, fixed_rows)
+        ks = allocate(options, cost, fixed_rows, prefill_rows)
         for (gen, _), k in zip(priced, ks):
             out[gen] = _capped(choices[gen], k)
-        return out, predicted_gain(options, ks, cost, fixed_rows)
+        return out, forecast(options, ks, cost, fixed_rows, prefill_rows)
+
+
+def _clamp(factor: float) -> float:
+    """What one step may say of a price against the measured one (a slow outlier, a tiny denominator)."""
+    return min(max(factor, COST_FACTOR_RANGE[0]), COST_FACTOR_RANGE[1])
 
 
 def _capped(choice: StepChoice, k: int) -> StepChoice:

@@ -140,3 +140,10 @@ class BatchedLM(Protocol):
     def new_pool(self, num_slots: int, capacity: int) -> KVPoolLike: ...
 
     def forward_batch(self, batch: Sequence[SeqInput], *, return_hidden: bool = False) -> list[ForwardOutput]: ...
+
+
+def forward_rows(model: CausalLM, inputs: Sequence[SeqInput], return_hidden: bool = False) -> list[ForwardOutput]:
+    """Several sequences' rows: in one forward where the model batches (BatchedLM), else one each."""
+    if isinstance(model, BatchedLM):
+        return model.forward_batch(inputs, return_hidden=return_hidden)
+    return forward_each(model, inputs, return_hidden)
