@@ -24,13 +24,13 @@ best k.
 
 `BatchCost` is T: measured once at start (router calibration) on one sequence's rows, and
 corrected live: shifted per batch size, a draft row's price and a prompt row's each times a
-factor (a unitless prior curve is scaled instead; workers/routing.py). A step's prompt rows are priced on a curve of
-their own: they compute no logits and, on an int4 target with bfloat16 instructions, run on
-the dense copy of the weights (workers/models/quant.py), so the first prompt row of a step costs
-a read of those weights (~20 ms on a 2-core Xeon) and each further one a quarter of a scored
-row. Priced as scored rows, a step carrying a 240-row prompt chunk was predicted at 1.9x what
-it took, and the live shift that learned from it then priced the next plain steps of that batch
-size at a third of their time.
+factor (a unitless prior curve is scaled instead; workers/routing.py). A step's prompt rows
+are priced on a curve of their own: they compute no logits and, on an int4 target with
+bfloat16 instructions, run on the dense copy of the weights (workers/models/quant.py), so the
+first prompt row of a step costs a read of those weights (~20 ms on a 2-core Xeon) and each
+further one a quarter of a scored row. Priced as scored rows, a step carrying a 240-row
+prompt chunk was predicted at 1.9x what it took, and the live shift that learned from it then
+priced the next plain steps of that batch size at a third of their time.
 
 Routing a step is host work too: every request's controller re-plans, its cheap drafters
 propose and are scored, and the rule runs (a few tenths of a millisecond a request on a 2-core

@@ -117,7 +117,7 @@ def measure_batch_cost(engine: SpecEngine, context_len: int = 64, repeats: int =
     for _ in range(repeats):
         for i, n in enumerate(rows):
             best[i] = min(best[i], forward_s(n))
-    prefill_rows = [n for n in BATCH_COST_PREFILL_ROWS if n < top - 1] + [top - 1]
+    prefill_rows = [n for n in BATCH_COST_PREFILL_ROWS if n < top - 1] + [max(1, top - 1)]
     prefill_s = measure_prefill_cost(engine, prefill_rows, context_len, repeats)
     return BatchCost(tuple(rows), _non_decreasing(best), tuple(prefill_rows), prefill_s)
 
