@@ -34,7 +34,7 @@ from workers.config import PLAIN, LookaheadDrafterConfig, RoutingConfig
 from workers.drafters.base import drafted_tree
 from workers.drafters.remote import RemoteDrafter
 from workers.engine import Generation, SpecEngine, StepOrder
-from workers.models.base import BatchedLM, SeqInput, forward_rows, synchronize
+from workers.models.base import BatchedLM, CausalLM, SeqInput, forward_rows, synchronize
 from workers.result import GenerationResult, RequestError, RoutingReport, Segment, StepStats
 from workers.sampling import SamplingParams
 from workers.shadows import CheapDrafters
@@ -63,8 +63,7 @@ def measure_costs(engine: SpecEngine, context_len: int = 64, repeats: int = 3) -
     # the curve reaches the biggest draft tree's size: the policy prices a tree step by its tokens
     max_k = max([engine.config.max_draft_len, *(sizes[-1] for sizes in tree_sizes(engine).values())])
     context_len = max(1, min(context_len, engine.max_model_len - max_k - 1))
-    vocab = model.info.vocab_size
-    ids = torch.arange(context_len + max_k + 1, device=model.device) * 7919 % vocab
+    ids = _probe_ids(model, context_len + max_k + 1)
     cache = model.new_cache(context_len + max_k + 1)
     model.forward(ids[:context_len], cache, last_only=True)
     best = [float("inf")] * (max_k + 1)
@@ -98,7 +97,7 @@ def measure_batch_cost(engine: SpecEngine, context_len: int = 64, repeats: int =
     top = max(engine.config.scheduler.max_num_batched_tokens, engine.config.max_draft_len + 1)
     rows = [n for n in BATCH_COST_ROWS if n < top] + [top]
     context_len = max(1, min(context_len, engine.max_model_len - top))
-    ids = torch.arange(context_len + top, device=model.device) * 7919 % model.info.vocab_size
+    ids = _probe_ids(model, context_len + top)
     cache = model.new_cache(context_len + top)
     model.forward(ids[:context_len], cache, last_only=True)
 
@@ -128,7 +127,7 @@ def measure_prefill_cost(engine: SpecEngine, rows: Sequence[int], context_len: i
     sequences after `context_len` tokens; made non-decreasing."""
     model = engine.target.model
     top = max(rows)
-    ids = torch.arange(context_len + top, device=model.device) * 7919 % model.info.vocab_size
+    ids = _probe_ids(model, context_len + top)
     if isinstance(model, BatchedLM):
         pool = model.new_pool(2, context_len + top)
         decoding, prompt = pool.allocate(), pool.allocate()
@@ -153,6 +152,11 @@ def measure_prefill_cost(engine: SpecEngine, rows: Sequence[int], context_len: i
         step_s(p)
     best = [min(step_s(p) for _ in range(repeats)) for p in counts]
     return _non_decreasing([max(0.0, t - best[0]) for t in best[1:]])
+
+
+def _probe_ids(model: CausalLM, n: int) -> torch.Tensor:
+    """n token ids spread over the vocabulary: the calibration's inputs (their values do not move a forward's time)."""
+    return torch.arange(n, device=model.device) * 7919 % model.info.vocab_size
 
 
 def _non_decreasing(seconds: Sequence[float]) -> tuple[float, ...]:
