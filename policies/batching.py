@@ -36,7 +36,7 @@ Routing a step is host work too: every request's controller re-plans, its cheap 
 propose and are scored, and the rule runs (a few tenths of a millisecond a request on a 2-core
 CPU). In a big batch the drafts the rule admits may add less than that work costs, and plain
 decoding is then faster. `BatchFallback` keeps, per batch size, what the rule's allocations
-promised (`predicted_gain`) against what routing them took per second of forward, and decodes a
+promised (`Forecast.gain`) against what routing them took per second of forward, and decodes a
 batch of that size plainly, without asking any controller, while the promise is the smaller;
 one step in ROUTE_PROBE_EVERY is routed all the same, so that the estimate follows the traffic.
 Steps that carry a prompt chunk are kept apart: the chunk makes them several times a decoding
@@ -232,17 +232,11 @@ def forecast(options: Sequence[DraftOption | None], ks: Sequence[int], cost: Bat
                     cost.step_s(fixed_rows + len(options), prefill_rows))
 
 
-def predicted_gain(options: Sequence[DraftOption | None], ks: Sequence[int], cost: BatchCost,
-                   fixed_rows: int = 0, prefill_rows: int = 0) -> float:
-    """G(ks) / G(0) - 1: what drafting ks adds to the step's expected tokens per second."""
-    return forecast(options, ks, cost, fixed_rows, prefill_rows).gain
-
-
 @dataclass
 class RoutingEstimate:
     """BatchFallback's estimates for one batch size."""
 
-    gain: float  # predicted_gain of the routed steps
+    gain: float  # the Forecast.gain of the routed steps
     overhead: float  # their routing seconds per forward second
     plain_steps: int = 0  # decoded plainly since the last routed step
 

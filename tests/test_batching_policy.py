@@ -17,7 +17,6 @@ from policies.batching import (
     allocate,
     cascade,
     forecast,
-    predicted_gain,
 )
 from policies.cost import StepCosts, best_draft_len, expected_tokens, prefix_acceptance
 
@@ -105,8 +104,8 @@ def test_a_step_carrying_a_prompt_chunk_drafts_where_a_decoding_step_would_not()
     assert allocate(options, cost) == [0] * 16
     ks = allocate(options, cost, prefill_rows=200)
     assert sum(ks) > 0
-    assert predicted_gain(options, ks, cost, prefill_rows=200) > 0.0
-    assert predicted_gain(options, ks, cost) < 0.0  # the same drafts in a decoding step lose
+    assert forecast(options, ks, cost, prefill_rows=200).gain > 0.0
+    assert forecast(options, ks, cost).gain < 0.0  # the same drafts in a decoding step lose
 
 
 def test_draft_positions_go_to_the_sequences_likeliest_to_accept_them() -> None:
@@ -176,11 +175,11 @@ def test_the_predicted_gain_is_the_allocations_goodput_over_plain_decodings() ->
     cost = BatchCost((1, 2, 8), (1.0, 1.2, 2.4))
     good, poor = DraftOption((0.9, 0.8), 2), DraftOption((0.1,), 1, draft_s_per_token=0.05)
     options = [good, poor, None]
-    assert predicted_gain(options, [0, 0, 0], cost) == 0.0
+    assert forecast(options, [0, 0, 0], cost).gain == 0.0
     # 3 + 1.7 + 0.1 tokens over a step of 6 rows (2.0 s) plus 0.05 s drafting, against 3 tokens in 1.4 s
-    assert predicted_gain(options, [2, 1, 0], cost) == pytest.approx((4.8 / 2.05) / (3 / 1.4) - 1)
+    assert forecast(options, [2, 1, 0], cost).gain == pytest.approx((4.8 / 2.05) / (3 / 1.4) - 1)
     ks = allocate(options, cost)
-    assert predicted_gain(options, ks, cost) >= max(predicted_gain(options, [a, b, 0], cost)
+    assert forecast(options, ks, cost).gain >= max(forecast(options, [a, b, 0], cost).gain
                                                     for a in range(3) for b in range(2)) - 1e-12
 
 
