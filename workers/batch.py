@@ -166,8 +166,7 @@ class BatchEngine:
         groups: dict[str, list[tuple[Generation, int]]] = {}
         for gen in decoding:
             order = orders.get(gen, PLAIN_STEP)
-            if (order.draft is None and isinstance(self.engine.drafters.get(order.drafter), BatchDrafter)
-                    and (k := gen.clip(order.draft_len))):
+            if order.draft is None and order.drafter in self.engine.batch_drafters and (k := gen.clip(order.draft_len)):
                 groups.setdefault(order.drafter, []).append((gen, k))
         for name, members in groups.items():
             if len(members) < 2:

@@ -23,7 +23,15 @@ from typing import Any, TypeVar
 import torch
 
 from workers.config import PLAIN, EngineConfig
-from workers.drafters.base import Draft, DraftContext, Drafter, DraftRequest, LogitsReader, TrafficLearner
+from workers.drafters.base import (
+    BatchDrafter,
+    Draft,
+    DraftContext,
+    Drafter,
+    DraftRequest,
+    LogitsReader,
+    TrafficLearner,
+)
 from workers.drafters.registry import build_drafters
 from workers.drafters.remote import DraftService
 from workers.models.base import ForwardOutput, KVCache, synchronize
@@ -423,6 +431,8 @@ class SpecEngine:
         self.exact_tree = not target.model.batch_invariant
         self.learners = [d for d in drafters.values() if isinstance(d, TrafficLearner)]
         self.logits_readers = {name for name, d in drafters.items() if isinstance(d, LogitsReader)}
+        # looked up per request and step (isinstance against a Protocol costs ~8 us)
+        self.batch_drafters = {name for name, d in drafters.items() if isinstance(d, BatchDrafter)}
 
     @classmethod
     def from_config(cls, config: EngineConfig, services: Mapping[str, DraftService] | None = None) -> SpecEngine:
