@@ -79,6 +79,22 @@ def _top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return drop.scatter_(-1, order, mass - top >= top_p)
 
 
+def sample_ids(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw from each row of probs [..., vocab] (non-negative; normalised or not) -> ids [...]:
+    the row's cumulative mass, in float64, inverted at one uniform draw, exact to ~1e-16 of the
+    mass. torch.multinomial draws an exponential per token instead: 1.2 ms a row of SmolLM2's
+    49,152 on a 2-core CPU against 0.1 ms, and a sampled step of 16 requests spent 19 ms in it.
+    A draw at a token boundary moves with the slightest change of the mass before it: the same
+    request gives the same tokens alone and in a batch where the target computes a row alike in
+    any batch (int4, bfloat16), as greedy decoding does."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    total = cdf[..., -1:]
+    if not bool(((total > 0) & total.isfinite()).all()):
+        raise ValueError("cannot sample from a distribution without finite, positive mass")
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device) * total
+    return torch.searchsorted(cdf, u, right=True).clamp_max_(probs.shape[-1] - 1)[..., 0]
+
+
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1): each row's first largest logit (a NaN counts as largest, as in
     torch). On a CPU through numpy's vectorised argmax, which returns the same index: torch

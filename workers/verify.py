@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.sampling import greedy_ids
+from workers.sampling import greedy_ids, sample_ids
 from workers.tree import DraftTree
 
 
@@ -79,8 +79,8 @@ def verify_sampled(
     else:
         dist = target_probs[num_accepted].clone()
         dist[draft_ids[num_accepted]] = 0
-    # multinomial normalises; a rejection implies p < q somewhere, so dist has mass
-    last = torch.multinomial(dist, 1, generator=generator)
+    # sample_ids normalises; a rejection implies p < q somewhere, so dist has mass
+    last = sample_ids(dist, generator)
     return VerifyResult(num_accepted, draft_ids[:num_accepted].tolist() + [int(last)])
 
 
@@ -127,7 +127,7 @@ def verify_tree_sampled(
                 break
             residual[draft[child]] = 0
         if chosen is None:
-            drawn = int(torch.multinomial(residual, 1, generator=generator))
+            drawn = int(sample_ids(residual, generator))
             return VerifyResult(len(path), [draft[i] for i in path] + [drawn], tuple(path))
         if chosen >= last:  # a draw from p at an exact row; its own row is not read
             return VerifyResult(len(path), [draft[i] for i in path] + [draft[chosen]], tuple(path))

@@ -30,7 +30,7 @@ from torch import nn
 from workers.drafters.base import Draft, DraftContext, DraftRequest, full_vocab_probs, token_ids_of
 from workers.drafters.checkpoint import CheckpointError, missing_weights, read_config, write_config
 from workers.models.base import TargetView
-from workers.sampling import greedy_ids, log_probs, probs_from_logits
+from workers.sampling import greedy_ids, log_probs, probs_from_logits, sample_ids
 from workers.tree import TreeGrowth, grow_tree
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.safetensors")
@@ -342,7 +342,7 @@ class EagleDrafter:
         if ctx.params.greedy:
             return int(token_ids_of(greedy_ids(logits[0]), self.vocab_ids)), None
         p = probs_from_logits(logits, ctx.params)
-        row = torch.multinomial(p[0], 1, generator=ctx.generator)[0]
+        row = sample_ids(p[0], ctx.generator)
         return int(token_ids_of(row, self.vocab_ids)), full_vocab_probs(p, self.vocab_ids, self.vocab_size)
 
     @staticmethod

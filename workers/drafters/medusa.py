@@ -28,7 +28,7 @@ from torch import nn
 
 from workers.drafters.base import Draft, DraftContext, DraftRequest, full_vocab_probs, token_ids_of
 from workers.drafters.checkpoint import CheckpointError, missing_weights, read_config, write_config
-from workers.sampling import greedy_ids, log_probs, probs_from_logits
+from workers.sampling import greedy_ids, log_probs, probs_from_logits, sample_ids
 from workers.tree import grow_tree
 
 WEIGHT_FILE = "medusa_lm_head.safetensors"
@@ -189,7 +189,7 @@ class MedusaDrafter:
             rows, probs = greedy_ids(logits), None
         else:
             q = probs_from_logits(logits, ctx.params)
-            rows = torch.multinomial(q, 1, generator=ctx.generator)[:, 0]
+            rows = sample_ids(q, ctx.generator)
             probs = full_vocab_probs(q, self.vocab_ids, self.vocab_size)
         return Draft(token_ids_of(rows, self.vocab_ids).to(torch.long), probs)
 

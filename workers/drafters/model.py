@@ -21,7 +21,7 @@ import torch
 from workers.config import MAX_DRAFT_LEN, ModelDrafterConfig
 from workers.drafters.base import Draft, DraftContext, DraftRequest, full_vocab_probs, token_ids_of
 from workers.models.base import BatchedLM, CausalLM, ForwardOutput, KVCache, KVPoolLike, SeqInput, forward_each
-from workers.sampling import greedy_ids, log_probs, probs_from_logits
+from workers.sampling import greedy_ids, log_probs, probs_from_logits, sample_ids
 from workers.tree import TreeGrowth, grow_tree
 
 
@@ -125,7 +125,7 @@ class ModelDrafter:
         if ctx.params.greedy:
             return token_ids_of(greedy_ids(logits[0]).view(1), self.vocab_ids), None
         p = probs_from_logits(logits, ctx.params)  # [1, vocab']
-        row = torch.multinomial(p[0], 1, generator=ctx.generator)
+        row = sample_ids(p, ctx.generator)  # [1]
         return token_ids_of(row, self.vocab_ids), full_vocab_probs(p, self.vocab_ids, self.model.info.vocab_size)
 
     def _draft(self, token_ids: list[torch.Tensor], probs: list[torch.Tensor]) -> Draft:
