@@ -9,7 +9,10 @@ order. Methods:
                 by the batch's goodput rule); one router for the whole run, warm after level one
   plain-serial  one sequence per target forward, requests interleaved step by step: the
                 engine without batching
-Greedy; every request's output is compared with its single-request plain output.
+Greedy, every request's output is compared with its single-request plain output; sampled, each
+request draws from its own seed (the same for every method) and plain's outputs are compared (equal
+where the target computes a row alike in any batch, as int4 and bfloat16 targets do), while a
+drafting method's are only distributed as plain's.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +36,17 @@ from workers.routing import RoutedBatch, RoutedStep, Router
 from workers.sampling import SamplingParams
 
 PLAIN_METHOD, SERIAL_METHOD, ROUTER_METHOD = "plain", "plain-serial", "router"
+PLAIN_METHODS = (PLAIN_METHOD, SERIAL_METHOD)  # outputs equal to plain's, sampled too
 
 
 @dataclass(frozen=True)
 class Request:
     prompt: BenchPrompt
     prompt_ids: list[int]
+    seed: int | None = None  # a sampled request's own seed, the same for every method
+
+    def params(self, params: SamplingParams) -> SamplingParams:
+        return params if self.seed is None else replace(params, seed=self.seed)
 
 
 @dataclass
@@ -60,7 +68,8 @@ class LevelResult:
     tpot_p50: float  # per request: (finish - first token) / (tokens - 1)
     tpot_p99: float
     mean_batch_size: float  # requests per target forward
-    num_mismatches: int  # requests whose output differs from their single-request plain output
+    num_mismatches: int | None  # requests whose output differs from their single-request plain output
+    # (None: not compared, a sampled drafting method's)
     wall_s: float
 
 
@@ -82,10 +91,10 @@ def check_concurrency_methods(methods: Sequence[str], engine_drafters: Sequence[
 
 def run_levels(
     engine: SpecEngine, router: Router | None, requests: Sequence[Request], methods: Sequence[str],
-    levels: Sequence[int], max_tokens: int, reference: Sequence[list[int]],
+    levels: Sequence[int], params: SamplingParams, reference: Sequence[list[int]],
 ) -> dict[str, dict[str, LevelResult]]:
-    """summary.concurrency: per level, per method. `reference`: each request's plain output alone."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    """summary.concurrency: per level, per method. `reference`: each request's plain output alone
+    (with its own seed, sampled)."""
     out: dict[str, dict[str, LevelResult]] = {}
     memories = TrafficMemories(engine)
     for c in levels:
@@ -95,7 +104,8 @@ def run_levels(
             with memories.of(method):
                 runs[method] = _run(engine, router, requests, params, c, method)
         base = _tokens_per_s(runs[PLAIN_METHOD])
-        out[str(c)] = {m: _result(run, base, reference) for m, run in runs.items()}
+        out[str(c)] = {m: _result(run, base, reference if params.greedy or m in PLAIN_METHODS else None)
+                       for m, run in runs.items()}
     return out
 
 
@@ -122,7 +132,7 @@ def _pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
 
 
-def _result(run: _Run, plain_tokens_per_s: float, reference: Sequence[list[int]]) -> LevelResult:
+def _result(run: _Run, plain_tokens_per_s: float, reference: Sequence[list[int]] | None) -> LevelResult:
     ttft = [t.first - t.sent for t in run.timings if t.first is not None]
     tpot = [(t.done - t.first) / (t.num_tokens - 1) for t in run.timings
             if t.first is not None and t.done is not None and t.num_tokens > 1]
@@ -131,7 +141,8 @@ def _result(run: _Run, plain_tokens_per_s: float, reference: Sequence[list[int]]
         tokens_per_s=tps, speedup=tps / plain_tokens_per_s,
         ttft_p50=_pct(ttft, 50), ttft_p99=_pct(ttft, 99), tpot_p50=_pct(tpot, 50), tpot_p99=_pct(tpot, 99),
         mean_batch_size=statistics.fmean(run.batch_sizes) if run.batch_sizes else 0.0,
-        num_mismatches=sum(run.outputs[i] != ref for i, ref in enumerate(reference)), wall_s=run.wall_s,
+        num_mismatches=None if reference is None else sum(run.outputs[i] != ref for i, ref in enumerate(reference)),
+        wall_s=run.wall_s,
     )
 
 
@@ -186,8 +197,8 @@ def _batched(batch: BatchEngine, requests: Sequence[Request], params: SamplingPa
         gen.close()
         return ids
 
-    return _closed_loop(requests, concurrency, lambda r: batch.add(r.prompt_ids, params, domain=r.prompt.category),
-                        step, output)
+    return _closed_loop(requests, concurrency,
+                        lambda r: batch.add(r.prompt_ids, r.params(params), domain=r.prompt.category), step, output)
 
 
 def run_routed(batch: RoutedBatch, requests: Sequence[Request], params: SamplingParams, concurrency: int,
@@ -205,7 +216,8 @@ def run_routed(batch: RoutedBatch, requests: Sequence[Request], params: Sampling
         routed.close()
         return ids
 
-    return _closed_loop(requests, concurrency, lambda r: batch.add(r.prompt_ids, params, r.prompt.text), step, output)
+    return _closed_loop(requests, concurrency, lambda r: batch.add(r.prompt_ids, r.params(params), r.prompt.text),
+                        step, output)
 
 
 def _serial(engine: SpecEngine, requests: Sequence[Request], params: SamplingParams, concurrency: int) -> _Run:
@@ -213,7 +225,7 @@ def _serial(engine: SpecEngine, requests: Sequence[Request], params: SamplingPar
     active: list[Generation] = []
 
     def send(r: Request) -> Generation:
-        gen = engine.start(r.prompt_ids, params)
+        gen = engine.start(r.prompt_ids, r.params(params))
         active.append(gen)
         return gen
 
@@ -243,7 +255,8 @@ def concurrency_section(summary: dict[str, dict[str, dict]]) -> list[str]:
                 continue
             lines.append(f"| {c} | {m} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
                          f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | {1e3 * r['tpot_p50']:.0f} / "
-                         f"{1e3 * r['tpot_p99']:.0f} | {r['mean_batch_size']:.1f} | {r['num_mismatches']} |")
+                         f"{1e3 * r['tpot_p99']:.0f} | {r['mean_batch_size']:.1f} | "
+                         f"{'-' if r['num_mismatches'] is None else r['num_mismatches']} |")
     return lines
 
 

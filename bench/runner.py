@@ -31,7 +31,7 @@ from bench.machine import machine_info
 from bench.methods import HF_METHODS, ROUTER_METHOD, TrafficMemories, assistant_config, build_methods, check_methods
 from bench.prompts import BenchPrompt, load_prompts
 from bench.records import RunRecord
-from bench.report import machine_section, write_report
+from bench.report import machine_section, sampling_text, write_report
 from bench.summary import reference_method, summarize
 from bench.verify_cost import DEFAULT_KS, DEFAULT_REPS, measure_verify_curve
 from policies.schema import Policy, load_policy
@@ -95,28 +95,27 @@ def run_concurrency_bench(args: BenchArgs) -> dict:
     """The concurrency run (bench/concurrency.py): DIR/results.json with summary.concurrency,
     DIR/report.md and DIR/throughput.png."""
     assert args.concurrency
-    if args.temperature > 0:
-        raise ValueError("--concurrency runs greedy (each level's outputs are checked against plain's); "
-                         "drop --temperature")
     methods = check_concurrency_methods(args.methods, [d.name for d in args.config.drafters])
     prompts = load_prompts(args.prompts, args.per_category, args.categories, args.heldout_mod)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     engine = SpecEngine.from_config(args.config)
     prompt_ids = encode_checked(engine, prompts, params)
-    requests = [Request(p, prompt_ids[p.question_id]) for p in prompts]
+    requests = [Request(p, prompt_ids[p.question_id], None if params.greedy else args.seed + i)
+                for i, p in enumerate(prompts)]
     router = None
     if "router" in methods:
         router = bench_router(engine, load_policy(args.routing.policy_path()), args.routing, batched=True)
     warm = requests[: max(0, args.warmup)]
     if warm:  # every method once, unmeasured
-        run_levels(engine, router, warm, methods, [1], args.max_tokens,
-                   [engine.generate(r.prompt_ids, params).token_ids for r in warm])
-    reference = [engine.generate(r.prompt_ids, params).token_ids for r in requests]
-    summary = as_json(run_levels(engine, router, requests, methods, args.concurrency, args.max_tokens, reference))
+        run_levels(engine, router, warm, methods, [1], params,
+                   [engine.generate(r.prompt_ids, r.params(params)).token_ids for r in warm])
+    reference = [engine.generate(r.prompt_ids, r.params(params)).token_ids for r in requests]
+    summary = as_json(run_levels(engine, router, requests, methods, args.concurrency, params, reference))
     results = {
         "target": engine.target.name, "device": str(engine.target.model.device), "max_tokens": args.max_tokens,
         "num_prompts": len(requests), "methods": methods,
         "scheduler": engine.config.scheduler.model_dump(),
+        "sampling": {"temperature": params.temperature, "top_p": params.top_p, "seed": args.seed},
         "summary": {"concurrency": summary}, "machine": machine_info(), "command": args.command,
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -124,8 +123,8 @@ def run_concurrency_bench(args: BenchArgs) -> dict:
     plot_throughput(summary, args.out / "throughput.png")
     lines = [
         "# SpecRoute benchmark under concurrency", "",
-        f"Target `{results['target']}` on {results['device']}; {len(requests)} prompts; greedy, at most "
-        f"{args.max_tokens} new tokens; closed loop (each client sends its next prompt when its last one "
+        f"Target `{results['target']}` on {results['device']}; {len(requests)} prompts; {sampling_text(results)}, "
+        f"at most {args.max_tokens} new tokens; closed loop (each client sends its next prompt when its last one "
         f"finishes); scheduler {results['scheduler']}.", "",
         *concurrency_section(summary), "", "![throughput](throughput.png)", "",
         "## Machine", "", *machine_section(results["machine"]), "",
