@@ -56,17 +56,17 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1:
-        logits = logits.masked_fill(_top_p_drop(logits, params.top_p), float("-inf"))
-    return logits.softmax(dim=-1)
-
-
-def _top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Where a token falls outside the nucleus: the tokens ranked above it already hold top_p of
-    the mass. Only the ranks that can be inside are sorted: the top r by probability (topk), r
-    grown until they hold top_p in every row, so every token below them is dropped. A full sort
-    of 49,152 logits took 2.4 ms a row on a 2-core CPU; a nucleus is mostly a few dozen tokens."""
     probs = logits.softmax(dim=-1)
+    return _nucleus(probs, params.top_p) if params.top_p < 1 else probs
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs with every token dropped that the tokens ranked above it already hold top_p of the
+    mass against, the rest renormalised. Only the ranks that can be inside are sorted: the top r
+    by probability (topk), r grown until they hold top_p in every row, so every token below them
+    is dropped, and the result is built from those r alone. A full sort of 49,152 logits took
+    2.4 ms a row on a 2-core CPU, masking the vocabulary and a second softmax ~0.2 ms more; a
+    nucleus is mostly a few dozen tokens."""
     vocab = probs.shape[-1]
     ranks = min(_TOP_P_FIRST_RANKS, vocab)
     while True:
@@ -75,8 +75,8 @@ def _top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
         if ranks == vocab or bool((mass[..., -1] >= top_p).all()):
             break
         ranks = min(4 * ranks, vocab)
-    drop = torch.ones_like(probs, dtype=torch.bool)
-    return drop.scatter_(-1, order, mass - top >= top_p)
+    kept = top.masked_fill(mass - top >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, kept / kept.sum(dim=-1, keepdim=True))
 
 
 def sample_ids(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
