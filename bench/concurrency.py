@@ -68,6 +68,8 @@ class LevelResult:
     tpot_p50: float  # per request: (finish - first token) / (tokens - 1)
     tpot_p99: float
     mean_batch_size: float  # requests per target forward
+    host_ms_per_step: float | None  # the wall time around the target forwards, per step: scheduling,
+    # drafting, routing, sampling, verification (None: plain-serial, whose steps do not split it out)
     num_mismatches: int | None  # requests whose output differs from their single-request plain output
     # (None: not compared, a sampled drafting method's)
     wall_s: float
@@ -79,6 +81,18 @@ class _Run:
     timings: list[_Timing]
     batch_sizes: list[int]
     wall_s: float
+    forward_s: float | None  # in target forwards (None: not measured)
+    num_forwards: int
+
+
+@dataclass
+class _Step:
+    """What one step of a method did."""
+
+    batch_size: int  # requests in the forward (0: none ran)
+    emitted: list[tuple[Any, int]]  # (request handle, tokens emitted)
+    forward_s: float | None  # in target forwards (None: not measured)
+    num_forwards: int
 
 
 def check_concurrency_methods(methods: Sequence[str], engine_drafters: Sequence[str]) -> list[str]:
@@ -141,6 +155,8 @@ def _result(run: _Run, plain_tokens_per_s: float, reference: Sequence[list[int]]
         tokens_per_s=tps, speedup=tps / plain_tokens_per_s,
         ttft_p50=_pct(ttft, 50), ttft_p99=_pct(ttft, 99), tpot_p50=_pct(tpot, 50), tpot_p99=_pct(tpot, 99),
         mean_batch_size=statistics.fmean(run.batch_sizes) if run.batch_sizes else 0.0,
+        host_ms_per_step=(None if run.forward_s is None
+                          else 1e3 * (run.wall_s - run.forward_s) / max(1, run.num_forwards)),
         num_mismatches=None if reference is None else sum(run.outputs[i] != ref for i, ref in enumerate(reference)),
         wall_s=run.wall_s,
     )
@@ -148,16 +164,18 @@ def _result(run: _Run, plain_tokens_per_s: float, reference: Sequence[list[int]]
 
 def _closed_loop(
     requests: Sequence[Request], concurrency: int, send: Callable[[Request], Any],
-    step: Callable[[], tuple[int, list[tuple[Any, int]]]], output: Callable[[Any], list[int]],
+    step: Callable[[], _Step], output: Callable[[Any], list[int]],
 ) -> _Run:
     """Drive `step` until every request finished, keeping `concurrency` in flight. `send` starts a
-    request and returns its handle; `step` returns (requests in the forward, [(handle, tokens
-    emitted)]) and a handle counts as finished when `output` of it is final (its `.finished`)."""
+    request and returns its handle; a handle counts as finished when `output` of it is final (its
+    `.finished`)."""
     queue = deque(enumerate(requests))
     timings: list[_Timing] = [_Timing(0.0) for _ in requests]
     handles: dict[Any, int] = {}
     outputs: dict[int, list[int]] = {}
     batch_sizes: list[int] = []
+    forward_s: float | None = 0.0
+    num_forwards = 0
     t0 = time.perf_counter()
 
     def send_next() -> None:
@@ -168,11 +186,13 @@ def _closed_loop(
     for _ in range(min(concurrency, len(queue))):
         send_next()
     while handles:
-        size, emitted = step()
+        done = step()
         now = time.perf_counter()
-        if size:
-            batch_sizes.append(size)
-        for handle, n in emitted:
+        if done.batch_size:
+            batch_sizes.append(done.batch_size)
+        forward_s = None if forward_s is None or done.forward_s is None else forward_s + done.forward_s
+        num_forwards += done.num_forwards
+        for handle, n in done.emitted:
             t = timings[handles[handle]]
             if n and t.first is None:
                 t.first = now
@@ -182,15 +202,16 @@ def _closed_loop(
                 outputs[handles.pop(handle)] = output(handle)
                 if queue:
                     send_next()
-    return _Run(outputs, timings, batch_sizes, time.perf_counter() - t0)
+    return _Run(outputs, timings, batch_sizes, time.perf_counter() - t0, forward_s, num_forwards)
 
 
 def _batched(batch: BatchEngine, requests: Sequence[Request], params: SamplingParams, concurrency: int,
              order: StepOrder) -> _Run:
-    def step() -> tuple[int, list[tuple[Any, int]]]:
+    def step() -> _Step:
         decoding = batch.schedule()
         done = batch.step({g: order for g in decoding})
-        return done.batch_size, [(g, st.num_emitted) for g, st in done.stats]
+        return _Step(done.batch_size, [(g, st.num_emitted) for g, st in done.stats], done.forward_s,
+                     int(done.num_rows > 0))
 
     def output(gen: Generation) -> list[int]:
         ids = gen.output_ids
@@ -205,11 +226,12 @@ def run_routed(batch: RoutedBatch, requests: Sequence[Request], params: Sampling
                on_step: Callable[[RoutedStep], None] | None = None) -> _Run:
     """The closed loop under the router; `on_step` sees every step."""
 
-    def step() -> tuple[int, list[tuple[Any, int]]]:
+    def step() -> _Step:
         done = batch.step()
         if on_step is not None:
             on_step(done)
-        return done.batch.batch_size, [(r, st.num_emitted) for r, st in done.stats]
+        return _Step(done.batch.batch_size, [(r, st.num_emitted) for r, st in done.stats], done.batch.forward_s,
+                     int(done.batch.num_rows > 0))
 
     def output(routed: Any) -> list[int]:
         ids = routed.gen.output_ids
@@ -229,13 +251,13 @@ def _serial(engine: SpecEngine, requests: Sequence[Request], params: SamplingPar
         active.append(gen)
         return gen
 
-    def step() -> tuple[int, list[tuple[Any, int]]]:
+    def step() -> _Step:
         emitted = []
         for gen in list(active):
             emitted.append((gen, gen.step(PLAIN, 0).num_emitted))
             if gen.finished:
                 active.remove(gen)
-        return (1 if emitted else 0), emitted
+        return _Step(1 if emitted else 0, emitted, None, len(emitted))
 
     def output(gen: Generation) -> list[int]:
         ids = gen.output_ids
@@ -248,7 +270,7 @@ def _serial(engine: SpecEngine, requests: Sequence[Request], params: SamplingPar
 def concurrency_section(summary: dict[str, dict[str, dict]]) -> list[str]:
     methods = list(dict.fromkeys(m for level in summary.values() for m in level))
     lines = ["| concurrency | method | tokens/s | speedup vs plain | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
-             "| mean batch | mismatches |", "|---|---|---|---|---|---|---|---|"]
+             "| mean batch | host ms / step | mismatches |", "|---|---|---|---|---|---|---|---|---|"]
     for c, level in summary.items():
         for m in methods:
             if (r := level.get(m)) is None:
@@ -256,8 +278,12 @@ def concurrency_section(summary: dict[str, dict[str, dict]]) -> list[str]:
             lines.append(f"| {c} | {m} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
                          f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | {1e3 * r['tpot_p50']:.0f} / "
                          f"{1e3 * r['tpot_p99']:.0f} | {r['mean_batch_size']:.1f} | "
-                         f"{'-' if r['num_mismatches'] is None else r['num_mismatches']} |")
+                         f"{_or_dash(r['host_ms_per_step'], '.1f')} | {_or_dash(r['num_mismatches'], 'd')} |")
     return lines
+
+
+def _or_dash(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def plot_throughput(summary: dict[str, dict[str, dict]], path: Path) -> Path:

@@ -331,6 +331,7 @@ def test_cli_bench_under_concurrency(tmp_path: Path, tiny_config: EngineConfig, 
             assert r["ttft_p50"] <= r["ttft_p99"] and r["tpot_p50"] <= r["tpot_p99"]
     assert levels["1"]["plain"]["mean_batch_size"] == pytest.approx(1.0)
     assert levels["4"]["plain"]["mean_batch_size"] > 1.0 and levels["4"]["plain-serial"]["mean_batch_size"] == 1.0
+    assert levels["4"]["router"]["host_ms_per_step"] > 0 and levels["4"]["plain-serial"]["host_ms_per_step"] is None
     assert "| 4 | router |" in (out / "report.md").read_text()
     assert (out / "throughput.png").read_bytes()[:8] == PNG_MAGIC
 
@@ -361,7 +362,7 @@ def test_cli_bench_under_concurrency_sampled(tmp_path: Path, tiny_config: Engine
     assert level["ngram"]["num_mismatches"] is None and level["ngram"]["tokens_per_s"] > 0
     assert runs["a"]["sampling"] == {"temperature": 1.0, "top_p": 1.0, "seed": 3}
     report = (tmp_path / "a" / "report.md").read_text()
-    assert "sampled at temperature 1" in report and "| 3 | ngram |" in report and report.count("| - |") == 1
+    assert "sampled at temperature 1" in report and "| 3 | ngram |" in report and report.count("| - |") == 2
 
 
 def test_verify_curve_keeps_each_k_fastest_forward(monkeypatch: pytest.MonkeyPatch, tiny_engine) -> None:
