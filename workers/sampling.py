@@ -61,12 +61,12 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """probs with every token dropped that the tokens ranked above it already hold top_p of the
-    mass against, the rest renormalised. Only the ranks that can be inside are sorted: the top r
-    by probability (topk), r grown until they hold top_p in every row, so every token below them
-    is dropped, and the result is built from those r alone. A full sort of 49,152 logits took
-    2.4 ms a row on a 2-core CPU, masking the vocabulary and a second softmax ~0.2 ms more; a
-    nucleus is mostly a few dozen tokens."""
+    """probs kept on the nucleus and renormalised: a token is dropped where the tokens ranked above
+    it already hold top_p of the mass. Only the ranks that can be inside are sorted: the top r by
+    probability (topk), r grown until they hold top_p in every row, so every token below them is
+    dropped, and the result is built from those r alone. A full sort of 49,152 logits took 2.4 ms
+    a row on a 2-core CPU, and masking the vocabulary for a second softmax 0.05-0.1 ms; a nucleus
+    is mostly a few dozen tokens."""
     vocab = probs.shape[-1]
     ranks = min(_TOP_P_FIRST_RANKS, vocab)
     while True:
