@@ -36,7 +36,7 @@ from workers.routing import RoutedBatch, RoutedStep, Router
 from workers.sampling import SamplingParams
 
 PLAIN_METHOD, SERIAL_METHOD, ROUTER_METHOD = "plain", "plain-serial", "router"
-PLAIN_METHODS = (PLAIN_METHOD, SERIAL_METHOD)  # outputs equal to plain's, sampled too
+PLAIN_METHODS = (PLAIN_METHOD, SERIAL_METHOD)  # outputs compared with plain decoding alone, sampled too
 
 
 @dataclass(frozen=True)
