@@ -59,8 +59,10 @@ from router.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ContextSpanInfo,
@@ -75,7 +77,7 @@ from router.schemas import (
 from router.stats_view import stats_json
 from workers.config import PLAIN, EngineConfig, ModelDrafterConfig, RoutingConfig
 from workers.deployment import Chunk, DrafterWorker, GenerateRequest, TargetWorker
-from workers.result import GenerationResult, RequestError
+from workers.result import GenerationResult, RequestError, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -344,10 +346,19 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest) -> CompletionResponse | StreamingResponse:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+        offset = 0  # where the next token's text starts in the completion (a stream's chunks go on)
 
-        def chunk(text: str, finish: str | None = None,
-                  spec: SpeculationInfo | None = None) -> CompletionChunk:
-            choice = CompletionChoice(text=text, finish_reason=finish)
+        def logprobs_of(entries: list[TokenLogprobs] | None) -> CompletionLogprobs | None:
+            nonlocal offset
+            if entries is None:
+                return None
+            shaped = CompletionLogprobs.of(entries, offset)
+            offset += sum(len(e.chosen.token) for e in entries)
+            return shaped
+
+        def chunk(text: str, finish: str | None = None, spec: SpeculationInfo | None = None,
+                  logprobs: list[TokenLogprobs] | None = None) -> CompletionChunk:
+            choice = CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs_of(logprobs))
             return CompletionChunk(id=request_id, created=created, model=self.model_name,
                                    choices=[choice], speculation=spec)
 
@@ -357,7 +368,8 @@ class OpenAIIngress:
         assert out.stats is not None
         return CompletionResponse(
             id=request_id, created=created, model=self.model_name,
-            choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
+            choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason,
+                                      logprobs=logprobs_of(out.logprobs))],
             usage=_usage(out.stats), speculation=_speculation_info(out.stats),
         )
 
@@ -370,8 +382,9 @@ class OpenAIIngress:
         messages = [m.as_template_message() for m in body.messages]
 
         def chunk(text: str, finish: str | None = None, spec: SpeculationInfo | None = None,
-                  role: str | None = None) -> ChatCompletionChunk:
-            choice = ChatChunkChoice(delta=ChatDelta(role=role, content=text), finish_reason=finish)
+                  role: str | None = None, logprobs: list[TokenLogprobs] | None = None) -> ChatCompletionChunk:
+            choice = ChatChunkChoice(delta=ChatDelta(role=role, content=text), finish_reason=finish,
+                                     logprobs=None if logprobs is None else ChatLogprobs.of(logprobs))
             return ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
                                        choices=[choice], speculation=spec)
 
@@ -381,7 +394,8 @@ class OpenAIIngress:
         assert out.stats is not None
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name,
-            choices=[ChatChoice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)],
+            choices=[ChatChoice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason,
+                                logprobs=None if out.logprobs is None else ChatLogprobs.of(out.logprobs))],
             usage=_usage(out.stats), speculation=_speculation_info(out.stats),
         )
 
@@ -464,6 +478,7 @@ class OpenAIIngress:
             prompt=prompt, max_tokens=body.num_max_tokens, temperature=body.temperature,
             top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed, stop=tuple(body.stop),
             ignore_eos=body.ignore_eos, drafter=spec.drafter, draft_len=spec.draft_len, domain=spec.domain,
+            logprobs=body.num_logprobs,
         )
 
     async def _generate(self, body: GenerationRequestBase, prompt: str | list[dict[str, str]]) -> Chunk:
@@ -505,13 +520,13 @@ class OpenAIIngress:
                 if chunk.finish_reason is not None:
                     assert chunk.stats is not None
                     spec = _speculation_info(chunk.stats)
-                    yield _sse(make_chunk(chunk.text, chunk.finish_reason, spec), drop)
+                    yield _sse(make_chunk(chunk.text, chunk.finish_reason, spec, logprobs=chunk.logprobs), drop)
                     if include_usage:
                         last = make_chunk("").model_copy(update={"choices": [], "usage": _usage(chunk.stats)})
                         yield _sse(last, drop)
                     break
-                if chunk.text:
-                    yield _sse(make_chunk(chunk.text), drop)
+                if chunk.text or chunk.logprobs:  # a token's logprobs go out before its text may
+                    yield _sse(make_chunk(chunk.text, logprobs=chunk.logprobs), drop)
                 chunk = await gen.__anext__()
             done = True
         except _CANCELLED:  # the client went away: nobody to report to

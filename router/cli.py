@@ -13,10 +13,11 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from router.serve import ServeError
 from workers.config import DEFAULT_TARGET_MODEL, PLAIN, ConfigError, RoutingConfig, load_engine_config
-from workers.result import RequestError
+from workers.result import Logprob, RequestError
 
 DEFAULT_SERVE_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve.cpu.yaml"
 
@@ -82,7 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()),
+            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()), logprobs=args.logprobs,
         )
     except ValueError as e:
         raise CLIError(str(e)) from None
@@ -112,8 +113,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "mean_acceptance_length": round(result.mean_acceptance_length, 4),
         "accepted_per_position": result.accepted_per_position,
         "wall_s": round(result.wall_s, 4),
+        **({} if result.logprobs is None else {"logprobs": [
+            {**_logprob_json(e.chosen), "top_logprobs": [_logprob_json(t) for t in e.top]} for e in result.logprobs
+        ]}),
     }))
     return 0
+
+
+def _logprob_json(entry: Logprob) -> dict[str, Any]:
+    return {"token": entry.token, "token_id": entry.token_id, "logprob": entry.logprob}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -312,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="no chat template: the prompt as is")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="N",
+                     help="with --json: each token's logprob and its position's N likeliest")
     gen.add_argument("--config", type=Path, default=None, help="engine or Serve config YAML")
     gen.add_argument("--policy", type=Path, default=None, help="routing policy YAML (default: the shipped one)")
     gen.add_argument("--json", action="store_true", help="one JSON object with the statistics")

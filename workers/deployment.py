@@ -29,7 +29,7 @@ from ray.serve.handle import DeploymentHandle
 
 from policies.records import BatchingStats
 from workers.config import EngineConfig, RoutingConfig
-from workers.result import GenerationResult, RequestError, StepStats
+from workers.result import GenerationResult, RequestError, StepStats, TokenLogprobs
 
 if TYPE_CHECKING:
     from workers.drafters.remote import DraftCall, DraftReply
@@ -56,6 +56,7 @@ class GenerateRequest:
     drafter: str = "auto"  # "auto" (the routing policy decides), PLAIN, or a configured drafter name
     draft_len: int | None = None  # None: the policy chooses k
     domain: str | None = None  # None: the policy's classifier decides
+    logprobs: int | None = None  # None: none; n: each token's logprob and its n likeliest alternatives
 
     @property
     def prompt_param(self) -> str:
@@ -83,6 +84,7 @@ class Chunk:
     # a request refused before its first token comes back as the only chunk, not as a raised
     # exception: a client's mistake is not a replica error for Ray to log with a traceback
     error: RequestError | None = None
+    logprobs: list[TokenLogprobs] | None = None  # token_ids' logprobs, when the request asked
 
 
 @dataclass(frozen=True)
@@ -178,14 +180,17 @@ class TargetWorker:
         """The whole output as one chunk."""
         token_ids: list[int] = []
         texts: list[str] = []
+        logprobs: list[TokenLogprobs] | None = None if request.logprobs is None else []
         last: Chunk | None = None
         async for last in self.stream(request):
             if last.error is not None:
                 return last
             token_ids += last.token_ids
             texts.append(last.text)
+            if logprobs is not None and last.logprobs is not None:
+                logprobs += last.logprobs
         assert last is not None and last.finish_reason is not None
-        return Chunk(token_ids, "".join(texts), last.finish_reason, last.stats)
+        return Chunk(token_ids, "".join(texts), last.finish_reason, last.stats, logprobs=logprobs)
 
     def max_model_len(self) -> int:
         return self.engine.max_model_len
@@ -322,7 +327,7 @@ class TargetWorker:
             kwargs = {} if r.max_tokens is None else {"max_tokens": r.max_tokens}
             params = self._sampling_mod.SamplingParams(
                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed, stop=r.stop,
-                ignore_eos=r.ignore_eos, **kwargs,
+                ignore_eos=r.ignore_eos, logprobs=r.logprobs, **kwargs,
             )
         except ValueError as e:  # the ingress checks the same ranges; its message starts with the field
             raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
@@ -358,18 +363,20 @@ class TargetWorker:
         gen = routed.gen
         output_ids = gen.output_ids
         new_ids = output_ids[slot.num_sent_ids :]
+        logprobs = gen.logprobs[slot.num_sent_ids :] if gen.logprobs is not None else None
         slot.num_sent_ids = len(output_ids)
         if not gen.finished:
             text = self.engine.tokenizer.decode(output_ids, skip_special_tokens=True)
             delta = _safe_delta(text, slot.sent_text, gen.params.stop)
             slot.sent_text += delta
-            return Chunk(new_ids, delta)
+            return Chunk(new_ids, delta, logprobs=logprobs)
         result = routed.result()
         routed.close()
         if not result.text.startswith(slot.sent_text):  # cannot happen with prefix-stable decoding
             log.warning("streamed text is not a prefix of the final text")
         delta = result.text[len(slot.sent_text) :]
-        return Chunk(new_ids, delta, result.finish_reason, replace(result, steps=[]))
+        # the chunks carry the logprobs; the stats need not carry them again
+        return Chunk(new_ids, delta, result.finish_reason, replace(result, steps=[], logprobs=None), logprobs=logprobs)
 
     def _drop(self, slot: _Slot) -> None:
         """Take a request out of the batch (cancelled, or failed) and close it."""

@@ -13,6 +13,7 @@ or with every running request sharing the forward (workers/batch.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -34,8 +35,9 @@ from workers.drafters.base import (
 )
 from workers.drafters.registry import build_drafters
 from workers.drafters.remote import DraftService
+from workers.logprobs import TokenText, token_logprobs
 from workers.models.base import ForwardOutput, KVCache, synchronize
-from workers.result import GenerationResult, RequestError, StepStats
+from workers.result import GenerationResult, RequestError, StepStats, TokenLogprobs
 from workers.sampling import SamplingParams, make_generator, probs_from_logits
 from workers.target import LoadedModel, load_model
 from workers.tree import DraftTree
@@ -108,6 +110,8 @@ class Generation:
         self.finish_reason: str | None = None
         self.text: str | None = None
         self.steps: list[StepStats] = []
+        # each output token's logprobs, when the request asks (workers/logprobs.py)
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self._drafter_states: dict[str, Any] = {}
         self._broken: set[str] = set()
         self._no_draft = torch.empty(0, dtype=torch.long, device=self.device)
@@ -255,6 +259,10 @@ class Generation:
         if drafter in self.engine.logits_readers and p.draft_ids.numel():
             self._guard(drafter, lambda impl, state: impl.read_logits(state, self.ctx, out.logits))
         num_emitted = self._emit(result.token_ids)
+        if self.logprobs is not None and num_emitted:  # token i was chosen by kept row i
+            rows = kept[:num_emitted] if isinstance(kept, list) else slice(0, num_emitted)
+            self.logprobs += token_logprobs(out.logits[rows], result.token_ids[:num_emitted],
+                                            self.params.logprobs or 0, self.engine.token_text)
         if drafter != PLAIN:
             self._guard(drafter, lambda impl, state: impl.commit(state, self.ctx, num_emitted, result.num_accepted))
         stats = StepStats(
@@ -325,6 +333,7 @@ class Generation:
             wall_s=time.perf_counter() - self.started_at,
             ttft_s=self.ttft_s if self.ttft_s is not None else time.perf_counter() - self.started_at,
             steps=self.steps,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
         )
 
     # -- internals --------------------------------------------------------------------------
@@ -447,6 +456,11 @@ class SpecEngine:
     @property
     def tokenizer(self) -> Any:
         return self.target.tokenizer
+
+    @functools.cached_property
+    def token_text(self) -> TokenText:
+        """Tokens' text and bytes, for the logprobs requests ask for."""
+        return TokenText(self.target.tokenizer)
 
     def encode(self, prompt: str | list[dict[str, str]], *, chat: bool = True) -> list[int]:
         """Token ids of a prompt; a string is wrapped as one user message when chat is True."""

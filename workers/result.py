@@ -46,6 +46,24 @@ class StepStats:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability under the target's raw distribution (workers/logprobs.py)."""
+
+    token_id: int
+    token: str  # its text alone (U+FFFD where it holds part of a character)
+    bytes: tuple[int, ...]  # its UTF-8 bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability and the likeliest tokens at its position."""
+
+    chosen: Logprob
+    top: tuple[Logprob, ...]  # largest first; as many as the request asked
+
+
+@dataclass(frozen=True)
 class Segment:
     """Consecutive steps with the same drafter and k."""
 
@@ -105,6 +123,7 @@ class GenerationResult:
     ttft_s: float  # from the request's start (queueing included) to its first step's tokens
     steps: list[StepStats] = field(repr=False, default_factory=list)  # empty on the wire
     routing: RoutingReport | None = None  # how the router ran it (None: a bare engine request)
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when the request asked
 
     @property
     def mean_acceptance_length(self) -> float:

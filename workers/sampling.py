@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from workers.config import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+from workers.config import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 
 DEFAULT_MAX_TOKENS = 128
 
@@ -27,6 +27,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     extra_stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    logprobs: int | None = None  # None: none; n: each token's logprob and its position's n likeliest
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -41,6 +42,8 @@ class SamplingParams:
             raise ValueError(f"stop allows at most {MAX_STOP_SEQUENCES} strings, got {len(self.stop)}")
         if (longest := max(map(len, self.stop), default=0)) > MAX_STOP_CHARS:
             raise ValueError(f"stop strings have at most {MAX_STOP_CHARS} characters, got one of {longest}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
