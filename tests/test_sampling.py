@@ -85,9 +85,10 @@ def test_top_p_keeps_smallest_prefix_reaching_top_p(top_p: float, num_kept: int)
         assert probs[order.index(rank)].item() == pytest.approx(base[rank] / mass, rel=1e-5)
 
 
-def test_top_p_always_keeps_the_argmax_even_for_tiny_top_p() -> None:
+@pytest.mark.parametrize("top_p", [1e-6, 5e-324])  # the second is 0 in float32
+def test_top_p_always_keeps_the_argmax_even_for_tiny_top_p(top_p: float) -> None:
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(2))
-    probs = probs_from_logits(logits, params(top_p=1e-6))
+    probs = probs_from_logits(logits, params(top_p=top_p))
     argmax = logits.argmax(-1)
     torch.testing.assert_close(probs, torch.nn.functional.one_hot(argmax, 50).float())
 

@@ -78,7 +78,9 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         if ranks == vocab or bool((mass[..., -1] >= top_p).all()):
             break
         ranks = min(4 * ranks, vocab)
-    kept = top.masked_fill(mass - top >= top_p, 0.0)
+    drop = mass - top >= top_p
+    drop[..., 0] = False  # the likeliest token stays, even for a top_p float32 rounds to 0
+    kept = top.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, kept / kept.sum(dim=-1, keepdim=True))
 
 
