@@ -474,11 +474,13 @@ class OpenAIIngress:
             raise APIError(400, f"{field}: {body.num_max_tokens} leaves no room for the prompt in this model's "
                                 f"context length of {max_len} tokens", field, "context_length_exceeded")
         spec = body.speculation
+        penalties = {name: value for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+                     if (value := getattr(body, name)) is not None}
         return GenerateRequest(
             prompt=prompt, max_tokens=body.num_max_tokens, temperature=body.temperature,
             top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed, stop=tuple(body.stop),
             ignore_eos=body.ignore_eos, drafter=spec.drafter, draft_len=spec.draft_len, domain=spec.domain,
-            logprobs=body.num_logprobs,
+            logprobs=body.num_logprobs, logit_bias=body.token_bias, **penalties,
         )
 
     async def _generate(self, body: GenerationRequestBase, prompt: str | list[dict[str, str]]) -> Chunk:

@@ -80,10 +80,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError("--prompt is empty")
     config = load_engine_config(args.config)
     routing = routing_config(args.policy)
+    penalties = {name: value for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+                 if (value := getattr(args, name)) is not None}
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()), logprobs=args.logprobs,
+            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()), logprobs=args.logprobs, **penalties,
         )
     except ValueError as e:
         raise CLIError(str(e)) from None
@@ -319,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    for penalty in ("presence", "frequency", "repetition"):
+        gen.add_argument(f"--{penalty}-penalty", type=float, default=None, help="default: none")
     gen.add_argument("--raw", action="store_true", help="no chat template: the prompt as is")
     gen.add_argument("--logprobs", type=int, default=None, metavar="N",
                      help="with --json: each token's logprob and its position's N likeliest")

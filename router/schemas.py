@@ -2,11 +2,12 @@
 plus SpecRoute's extensions: `speculation` (request: the plan asked for; response: what ran and
 how well it was accepted), `top_k` and `ignore_eos` (as in vLLM).
 
-`logprobs` report the target's raw distribution (before temperature, top-k and top-p; vLLM's
-default), read off the rows that verified each token (workers/logprobs.py).
+`logprobs` report the target's raw distribution (before penalties, temperature, top-k and top-p;
+vLLM's default), read off the rows that verified each token (workers/logprobs.py). Penalties and
+`logit_bias` apply to every verified row with its own history (workers/penalties.py).
 
 Every field OpenAI defines is accepted. Those that do not change what is generated (`user`,
-`metadata`, ...) are ignored; those this server does not implement (penalties, tools, ...)
+`metadata`, ...) are ignored; those this server does not implement (tools, response_format, ...)
 are accepted at their no-op value and refused otherwise, naming the field, rather than silently
 answered without them. A field OpenAI does not define is refused: a typo must not pass unnoticed.
 """
@@ -17,7 +18,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
-from workers.config import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+from workers.config import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+)
 from workers.result import Logprob, TokenLogprobs
 
 AUTO = "auto"
@@ -26,7 +34,6 @@ AUTO = "auto"
 # -- requests --------------------------------------------------------------------------------
 # The values of OpenAI's unimplemented fields that ask for nothing (a client library may send them)
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
     "echo": (None, False), "suffix": (None, ""),
     "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
@@ -85,10 +92,11 @@ class GenerationRequestBase(BaseModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # OpenAI fields not implemented here: accepted at their no-op value only (see `_unsupported`)
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float | None = Field(None, ge=1 / MAX_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
+                                             description="extension, as in vLLM: 1 = none")
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -111,10 +119,15 @@ class GenerationRequestBase(BaseModel):
             raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters, got one of {longest}")
         return value
 
-    @field_validator("frequency_penalty", "presence_penalty", "logit_bias")
+    @field_validator("logit_bias")
     @classmethod
-    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        return _no_op(value, info)
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys are token ids, got {token!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"biases lie in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias} for {token}")
+        return value
 
     @field_validator("n")
     @classmethod
@@ -140,6 +153,10 @@ class GenerationRequestBase(BaseModel):
     def num_logprobs(self) -> int | None:
         """None: no logprobs; n: each token's and its position's n likeliest."""
         return None
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
 
 
 class CompletionRequest(GenerationRequestBase):

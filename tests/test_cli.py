@@ -95,6 +95,7 @@ def test_bad_sampling_value_is_refused() -> None:
     (["--top-k", "-5"], ["top_k", "-5"]),
     (["--stop", "x" * 300], ["stop", "256"]),
     (["--logprobs", "21"], ["logprobs", "21"]),
+    (["--presence-penalty", "3"], ["presence_penalty", "3"]),
     (["--policy", "/nonexistent/policy.yaml"], ["/nonexistent/policy.yaml"]),
 ])
 def test_bad_generate_arguments_are_refused(args: list[str], needles: list[str]) -> None:

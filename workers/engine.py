@@ -37,6 +37,7 @@ from workers.drafters.registry import build_drafters
 from workers.drafters.remote import DraftService
 from workers.logprobs import TokenText, token_logprobs
 from workers.models.base import ForwardOutput, KVCache, synchronize
+from workers.penalties import path_counts, penalize
 from workers.result import GenerationResult, RequestError, StepStats, TokenLogprobs
 from workers.sampling import SamplingParams, make_generator, probs_from_logits
 from workers.target import LoadedModel, load_model
@@ -112,6 +113,7 @@ class Generation:
         self.steps: list[StepStats] = []
         # each output token's logprobs, when the request asks (workers/logprobs.py)
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self._prompt_seen: torch.Tensor | None = None  # [vocab] bool, for a repetition penalty
         self._drafter_states: dict[str, Any] = {}
         self._broken: set[str] = set()
         self._no_draft = torch.empty(0, dtype=torch.long, device=self.device)
@@ -369,6 +371,8 @@ class Generation:
     def _verify(
         self, logits: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, tree: DraftTree | None,
     ) -> VerifyResult:
+        if self.params.penalized:
+            logits = self._penalized(logits, draft_ids, tree)
         # a row-invariant target scores only the tree's leading chain as plain decoding would (verify.py)
         exact = tree.leading_chain if tree is not None and not self.ctx.exact_tree else None
         if self.params.greedy:
@@ -378,6 +382,15 @@ class Generation:
         if tree is not None:
             return verify_tree_sampled(probs, draft_ids, tree, self.ctx.generator, exact)
         return verify_sampled(probs, draft_ids, draft_probs, self.ctx.generator)
+
+    def _penalized(self, logits: torch.Tensor, draft_ids: torch.Tensor, tree: DraftTree | None) -> torch.Tensor:
+        """The step's rows biased and penalised, each by the history on its own path."""
+        sees = (tree or DraftTree.chain(draft_ids.shape[0])).input_mask(logits.device)[:, 1:]
+        counts = path_counts(self.output_ids, draft_ids, sees, logits.shape[-1])
+        if self.params.repetition_penalty != 1.0 and self._prompt_seen is None:
+            self._prompt_seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            self._prompt_seen[torch.tensor(self.ctx.token_ids[: self.num_prompt], device=logits.device)] = True
+        return penalize(logits, counts, self._prompt_seen, self.params)
 
     def _emit(self, token_ids: list[int]) -> int:
         """Append tokens one by one, stopping where plain decoding would have stopped."""
@@ -479,6 +492,9 @@ class SpecEngine:
         if drafter != PLAIN and drafter not in self.drafters:
             known = ", ".join([PLAIN, *self.drafters]) or PLAIN
             raise RequestError(f"unknown drafter {drafter!r}; configured: {known}", "drafter")
+        if params.logit_bias and (token := max(params.logit_bias)) >= self.target.model.info.vocab_size:
+            raise RequestError(f"logit_bias: token id {token} is not in the vocabulary of "
+                               f"{self.target.model.info.vocab_size} tokens", "logit_bias")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "

@@ -7,12 +7,20 @@ greedy decoding and greedy drafts take `greedy_ids`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from workers.config import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES
+from workers.config import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+)
 
 DEFAULT_MAX_TOKENS = 128
 
@@ -28,6 +36,11 @@ class SamplingParams:
     ignore_eos: bool = False
     extra_stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     logprobs: int | None = None  # None: none; n: each token's logprob and its position's n likeliest
+    # workers/penalties.py: OpenAI's and vLLM's, applied to every verified row
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: none
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -44,6 +57,22 @@ class SamplingParams:
             raise ValueError(f"stop strings have at most {MAX_STOP_CHARS} characters, got one of {longest}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
+        if not 1 / MAX_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{1 / MAX_REPETITION_PENALTY:g}, "
+                             f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
+        for token, bias in self.logit_bias.items():
+            if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias maps token ids >= 0 to values in [-{MAX_LOGIT_BIAS}, "
+                                 f"{MAX_LOGIT_BIAS}], got {token}: {bias}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether logits are biased or penalised before tokens are chosen (workers/penalties.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
