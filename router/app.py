@@ -15,7 +15,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -305,9 +305,40 @@ def _speculation_info(result: GenerationResult) -> SpeculationInfo:
     )
 
 
-def _usage(result: GenerationResult) -> Usage:
-    return Usage(prompt_tokens=result.num_prompt_tokens, completion_tokens=result.num_completion_tokens,
-                 total_tokens=result.num_prompt_tokens + result.num_completion_tokens)
+def _usage(results: list[GenerationResult]) -> Usage:
+    """A request's usage: its prompt once, every choice's completion."""
+    prompt, completion = results[0].num_prompt_tokens, sum(r.num_completion_tokens for r in results)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def _interleaved(
+    gens: list[DeploymentResponseGenerator], heads: list[Chunk],
+) -> AsyncIterator[tuple[int, Chunk]]:
+    """Each choice's chunks with its index, in the order they arrive, until every choice has finished."""
+    queue: asyncio.Queue[tuple[int, Chunk | Exception]] = asyncio.Queue()
+
+    async def pump(index: int, gen: DeploymentResponseGenerator, chunk: Chunk) -> None:
+        try:
+            while True:
+                queue.put_nowait((index, chunk))
+                if chunk.finish_reason is not None:
+                    return
+                chunk = await gen.__anext__()
+        except Exception as e:  # StopAsyncIteration too: a stream that ended without finishing
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.create_task(pump(i, gen, head)) for i, (gen, head) in enumerate(zip(gens, heads))]
+    try:
+        unfinished = len(tasks)
+        while unfinished:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield index, item
+            unfinished -= item.finish_reason is not None
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _sse(data: BaseModel | dict[str, Any], drop: tuple[str, ...] = ()) -> str:
@@ -346,31 +377,30 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest) -> CompletionResponse | StreamingResponse:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        offset = 0  # where the next token's text starts in the completion (a stream's chunks go on)
+        offsets = [0] * body.n  # where each choice's next token text starts (a stream's chunks go on)
 
-        def logprobs_of(entries: list[TokenLogprobs] | None) -> CompletionLogprobs | None:
-            nonlocal offset
+        def logprobs_of(index: int, entries: list[TokenLogprobs] | None) -> CompletionLogprobs | None:
             if entries is None:
                 return None
-            shaped = CompletionLogprobs.of(entries, offset)
-            offset += sum(len(e.chosen.token) for e in entries)
+            shaped = CompletionLogprobs.of(entries, offsets[index])
+            offsets[index] += sum(len(e.chosen.token) for e in entries)
             return shaped
 
-        def chunk(text: str, finish: str | None = None, spec: SpeculationInfo | None = None,
+        def chunk(index: int, text: str, finish: str | None = None, spec: SpeculationInfo | None = None,
                   logprobs: list[TokenLogprobs] | None = None) -> CompletionChunk:
-            choice = CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs_of(logprobs))
+            choice = CompletionChoice(index=index, text=text, finish_reason=finish,
+                                      logprobs=logprobs_of(index, logprobs))
             return CompletionChunk(id=request_id, created=created, model=self.model_name,
                                    choices=[choice], speculation=spec)
 
         if body.stream:
             return await self._stream(body, body.prompt, chunk, None)
-        out = await self._generate(body, body.prompt)
-        assert out.stats is not None
+        outs = await self._generate(body, body.prompt)
         return CompletionResponse(
             id=request_id, created=created, model=self.model_name,
-            choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason,
-                                      logprobs=logprobs_of(out.logprobs))],
-            usage=_usage(out.stats), speculation=_speculation_info(out.stats),
+            choices=[CompletionChoice(index=i, text=out.text, finish_reason=out.finish_reason,
+                                      logprobs=logprobs_of(i, out.logprobs)) for i, out in enumerate(outs)],
+            usage=_usage([out.result for out in outs]), speculation=_speculation_info(outs[0].result),
         )
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -381,22 +411,22 @@ class OpenAIIngress:
         created = int(time.time())
         messages = [m.as_template_message() for m in body.messages]
 
-        def chunk(text: str, finish: str | None = None, spec: SpeculationInfo | None = None,
+        def chunk(index: int, text: str, finish: str | None = None, spec: SpeculationInfo | None = None,
                   role: str | None = None, logprobs: list[TokenLogprobs] | None = None) -> ChatCompletionChunk:
-            choice = ChatChunkChoice(delta=ChatDelta(role=role, content=text), finish_reason=finish,
+            choice = ChatChunkChoice(index=index, delta=ChatDelta(role=role, content=text), finish_reason=finish,
                                      logprobs=None if logprobs is None else ChatLogprobs.of(logprobs))
             return ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
                                        choices=[choice], speculation=spec)
 
         if body.stream:
-            return await self._stream(body, messages, chunk, chunk("", role="assistant"))
-        out = await self._generate(body, messages)
-        assert out.stats is not None
+            return await self._stream(body, messages, chunk, lambda index: chunk(index, "", role="assistant"))
+        outs = await self._generate(body, messages)
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name,
-            choices=[ChatChoice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason,
-                                logprobs=None if out.logprobs is None else ChatLogprobs.of(out.logprobs))],
-            usage=_usage(out.stats), speculation=_speculation_info(out.stats),
+            choices=[ChatChoice(index=i, message=AssistantMessage(content=out.text), finish_reason=out.finish_reason,
+                                logprobs=None if out.logprobs is None else ChatLogprobs.of(out.logprobs))
+                     for i, out in enumerate(outs)],
+            usage=_usage([out.result for out in outs]), speculation=_speculation_info(outs[0].result),
         )
 
     # -- observability and control (docs/deploy.md, "Observability") ---------------------------
@@ -464,7 +494,10 @@ class OpenAIIngress:
                 raise APIError(503, f"no worker replica answered max_model_len: {e!r}", type="internal_error") from None
         return self._context_limit
 
-    async def _request(self, body: GenerationRequestBase, prompt: str | list[dict[str, str]]) -> GenerateRequest:
+    async def _requests(
+        self, body: GenerationRequestBase, prompt: str | list[dict[str, str]],
+    ) -> list[GenerateRequest]:
+        """One request per choice (`n`); a seed gives choice i seed + i, so choices differ yet repeat."""
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                                 f"'{self.model_name}'", "model", "model_not_found")
@@ -476,15 +509,26 @@ class OpenAIIngress:
         spec = body.speculation
         penalties = {name: value for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
                      if (value := getattr(body, name)) is not None}
-        return GenerateRequest(
+        request = GenerateRequest(
             prompt=prompt, max_tokens=body.num_max_tokens, temperature=body.temperature,
             top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed, stop=tuple(body.stop),
             ignore_eos=body.ignore_eos, drafter=spec.drafter, draft_len=spec.draft_len, domain=spec.domain,
             logprobs=body.num_logprobs, logit_bias=body.token_bias, **penalties,
         )
+        seed = body.seed
+        return [request if seed is None else replace(request, seed=seed + i) for i in range(body.n)]
 
-    async def _generate(self, body: GenerationRequestBase, prompt: str | list[dict[str, str]]) -> Chunk:
-        request = await self._request(body, prompt)
+    async def _generate(self, body: GenerationRequestBase, prompt: str | list[dict[str, str]]) -> list[Chunk]:
+        """Every choice's whole output, generated side by side."""
+        tasks = [asyncio.ensure_future(self._generate_one(r)) for r in await self._requests(body, prompt)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:  # one choice failed: the others are not waited for
+                task.cancel()
+            raise
+
+    async def _generate_one(self, request: GenerateRequest) -> Chunk:
         try:
             chunk: Chunk = await self.worker.generate.remote(request)
         except Exception as e:
@@ -495,41 +539,43 @@ class OpenAIIngress:
 
     async def _stream(
         self, body: GenerationRequestBase, prompt: str | list[dict[str, str]],
-        make_chunk: Callable[..., BaseModel], first: BaseModel | None,
+        make_chunk: Callable[..., BaseModel], first: Callable[[int], BaseModel] | None,
     ) -> StreamingResponse:
-        request = await self._request(body, prompt)
-        gen: DeploymentResponseGenerator = self.worker.options(stream=True).stream.remote(request)
-        try:  # the first chunk before the response starts: a bad request is still a 400
-            head: Chunk = await gen.__anext__()
+        """`make_chunk(index, text, ...)`: a choice's SSE chunk; `first(index)`: what each choice opens with."""
+        gens: list[DeploymentResponseGenerator] = [
+            self.worker.options(stream=True).stream.remote(r) for r in await self._requests(body, prompt)]
+        try:  # every choice's first chunk before the response starts: a bad request is still a 400
+            heads: list[Chunk] = [await gen.__anext__() for gen in gens]
+            if (error := next((h.error for h in heads if h.error is not None), None)) is not None:
+                raise error
         except Exception as e:
-            gen.cancel()
+            for gen in gens:
+                gen.cancel()
             raise _as_api_error(e) from None
-        if head.error is not None:
-            raise _as_api_error(head.error)
-        return StreamingResponse(self._events(gen, head, make_chunk, first, body.include_usage),
+        return StreamingResponse(self._events(gens, heads, make_chunk, first, body.include_usage),
                                  media_type="text/event-stream")
 
     async def _events(
-        self, gen: DeploymentResponseGenerator, chunk: Chunk, make_chunk: Callable[..., BaseModel],
-        first: BaseModel | None, include_usage: bool,
+        self, gens: list[DeploymentResponseGenerator], heads: list[Chunk], make_chunk: Callable[..., BaseModel],
+        first: Callable[[int], BaseModel] | None, include_usage: bool,
     ) -> AsyncIterator[str]:
         drop = ("speculation",) if include_usage else ("speculation", "usage")
         done = False
         try:
             if first is not None:
-                yield _sse(first, drop)
-            while True:
+                for index in range(len(gens)):
+                    yield _sse(first(index), drop)
+            finished: list[GenerationResult] = []
+            async for index, chunk in _interleaved(gens, heads):
                 if chunk.finish_reason is not None:
-                    assert chunk.stats is not None
-                    spec = _speculation_info(chunk.stats)
-                    yield _sse(make_chunk(chunk.text, chunk.finish_reason, spec, logprobs=chunk.logprobs), drop)
-                    if include_usage:
-                        last = make_chunk("").model_copy(update={"choices": [], "usage": _usage(chunk.stats)})
-                        yield _sse(last, drop)
-                    break
-                if chunk.text or chunk.logprobs:  # a token's logprobs go out before its text may
-                    yield _sse(make_chunk(chunk.text, logprobs=chunk.logprobs), drop)
-                chunk = await gen.__anext__()
+                    finished.append(chunk.result)
+                    yield _sse(make_chunk(index, chunk.text, chunk.finish_reason, _speculation_info(chunk.result),
+                                          logprobs=chunk.logprobs), drop)
+                elif chunk.text or chunk.logprobs:  # a token's logprobs go out before its text may
+                    yield _sse(make_chunk(index, chunk.text, logprobs=chunk.logprobs), drop)
+            if include_usage:
+                last = make_chunk(0, "").model_copy(update={"choices": [], "usage": _usage(finished)})
+                yield _sse(last, drop)
             done = True
         except _CANCELLED:  # the client went away: nobody to report to
             raise
@@ -537,5 +583,6 @@ class OpenAIIngress:
             yield _sse(_as_api_error(e).body)
         finally:
             if not done:
-                gen.cancel()  # a client that went away frees its slot on the worker
+                for gen in gens:
+                    gen.cancel()  # a client that went away frees its slots on the worker
         yield "data: [DONE]\n\n"

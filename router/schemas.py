@@ -29,6 +29,7 @@ from workers.config import (
 from workers.result import Logprob, TokenLogprobs
 
 AUTO = "auto"
+MAX_CHOICES = 16  # `n`: a request's choices each take a slot of the worker's batch
 
 
 # -- requests --------------------------------------------------------------------------------
@@ -84,7 +85,7 @@ class GenerationRequestBase(BaseModel):
     stop: list[str] = Field(default_factory=list, description="a string or a list of strings")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, description="only 1 is supported")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices to generate, each its own request in the batch")
     ignore_eos: bool = Field(False, description="extension: keep generating past end-of-sequence")
     speculation: SpeculationRequest = Field(default_factory=SpeculationRequest)
     # OpenAI fields that do not change the output: accepted and ignored
@@ -127,13 +128,6 @@ class GenerationRequestBase(BaseModel):
                 raise ValueError(f"keys are token ids, got {token!r}")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"biases lie in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias} for {token}")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(f"only n=1 is supported, got {value}")
         return value
 
     @field_validator("speculation", mode="before")

@@ -190,6 +190,31 @@ def test_logit_bias_and_penalties(base_url: str, tiny_llama_dir: Path) -> None:
     assert texts[0] == texts[1]
 
 
+def test_n_choices_streamed_and_not(client) -> None:
+    """Choice i draws from seed + i: each equals a single request with that seed, streamed alike."""
+    common = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": 16,
+              "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    full = client.chat.completions.create(n=3, seed=7, **common)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    texts = [c.message.content for c in full.choices]
+    singles = [client.chat.completions.create(seed=7 + i, **common) for i in range(3)]
+    assert texts == [s.choices[0].message.content for s in singles]
+    assert len(set(texts)) > 1  # sampled: the choices differ
+    assert full.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert full.usage.completion_tokens == 3 * 16
+    chunks = list(client.chat.completions.create(n=3, seed=7, stream=True, stream_options={"include_usage": True},
+                                                 **common))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]
+    assert streamed == texts
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role) == [0, 1, 2]
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2]
+    assert chunks[-1].usage == full.usage
+    completions = client.completions.create(model=MODEL, prompt="Once", n=2, max_tokens=8, temperature=0)
+    assert [c.index for c in completions.choices] == [0, 1]
+    assert completions.choices[0].text == completions.choices[1].text  # greedy: the same twice
+
+
 def test_sse_wire_format(base_url: str) -> None:
     with requests.post(f"{base_url}/v1/completions", stream=True, timeout=60,
                        json={"model": MODEL, "prompt": "abc", "stream": True, **GREEDY}) as r:
@@ -312,7 +337,8 @@ LONG_PROMPT = "lorem ipsum " * 600  # > 1024 tokens, the tiny config's max_model
     ("chat", {"messages": None}, "messages"),
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-    ("chat", {"n": 2}, "n"),
+    ("chat", {"n": 20}, "n"),
+    ("chat", {"n": 2, "speculation": {"drafter": "nope"}, "stream": True}, "speculation.drafter"),
     ("chat", {"speculation": {"drafter": "nope"}}, "speculation.drafter"),
     ("chat", {"speculation": {"drafter": "nope"}, "stream": True}, "speculation.drafter"),
     ("chat", {"speculation": {"draft_len": 0}}, "speculation.draft_len"),
@@ -339,7 +365,7 @@ def test_bad_request_is_400_naming_the_field(base_url: str, path: str, body: dic
 
 def test_openai_client_raises_bad_request(client) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=20)
     assert info.value.status_code == 400 and info.value.body["param"] == "n"
 
 

@@ -90,6 +90,13 @@ class Chunk:
     error: RequestError | None = None
     logprobs: list[TokenLogprobs] | None = None  # token_ids' logprobs, when the request asked
 
+    @property
+    def result(self) -> GenerationResult:
+        """The finished request: the last chunk's `stats`."""
+        if self.stats is None:
+            raise ValueError("only a request's last chunk carries its result")
+        return self.stats
+
 
 @dataclass(frozen=True)
 class PolicyResult:
