@@ -9,6 +9,9 @@ order. Methods:
                 by the batch's goodput rule); one router for the whole run, warm after level one
   plain-serial  one sequence per target forward, requests interleaved step by step: the
                 engine without batching
+  llama-cpp-server, llama-cpp-server-ngram  llama.cpp's server on the target's GGUF file, one
+                slot per client, plain or with its n-gram speculation, the same closed loop over
+                HTTP (bench/llama_server.py); its outputs come from other kernels, not compared
 Greedy, every request's output is compared with its single-request plain output; sampled, each
 request draws from its own seed (the same for every method) and plain's outputs are compared (equal
 where the target computes a row alike in any batch, as int4 and bfloat16 targets do), while a
@@ -18,6 +21,7 @@ drafting method's are only distributed as plain's.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -27,6 +31,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from bench.llama_server import SERVER_MODES, LlamaServer
 from bench.methods import TrafficMemories
 from bench.prompts import BenchPrompt
 from workers.batch import BatchEngine
@@ -47,6 +52,16 @@ class Request:
 
     def params(self, params: SamplingParams) -> SamplingParams:
         return params if self.seed is None else replace(params, seed=self.seed)
+
+
+@dataclass(frozen=True)
+class ServerPeer:
+    """Where llama.cpp's server methods find it, and what each of its slots must hold."""
+
+    directory: Path  # llama.cpp's binaries
+    gguf: Path  # the target's file
+    threads: int  # as our engine's
+    slot_context: int  # the longest prompt plus max_tokens
 
 
 @dataclass
@@ -79,7 +94,7 @@ class LevelResult:
 class _Run:
     outputs: dict[int, list[int]]  # request index -> tokens
     timings: list[_Timing]
-    batch_sizes: list[int]
+    batch_sizes: list[float]
     wall_s: float
     forward_s: float | None  # in target forwards (None: not measured)
     num_forwards: int
@@ -95,20 +110,31 @@ class _Step:
     num_forwards: int
 
 
-def check_concurrency_methods(methods: Sequence[str], engine_drafters: Sequence[str]) -> list[str]:
-    valid = [PLAIN_METHOD, *engine_drafters, ROUTER_METHOD, SERIAL_METHOD]
+def check_concurrency_methods(methods: Sequence[str], engine_drafters: Sequence[str],
+                              llama_cpp: Path | None = None, gguf: Path | None = None) -> list[str]:
+    """The methods to run, plain first; llama.cpp's server modes only with a llama.cpp build
+    (`llama_cpp`, its binaries' directory) and a GGUF target."""
+    valid = [PLAIN_METHOD, *engine_drafters, ROUTER_METHOD, SERIAL_METHOD, *SERVER_MODES]
     for name in methods:
         if name not in valid:
             raise ValueError(f"unknown method {name!r} under --concurrency; valid methods: {', '.join(valid)}")
+    for name in (m for m in methods if m in SERVER_MODES):
+        if llama_cpp is None:
+            raise ValueError(f"method {name!r} needs a llama.cpp build: pass --llama-cpp DIR or set "
+                             "LLAMA_CPP_BIN (docs/benchmarks.md, 'Building llama.cpp')")
+        if not (llama_cpp / "llama-server").is_file():
+            raise ValueError(f"method {name!r}: no llama-server in {llama_cpp}")
+        if gguf is None:
+            raise ValueError(f"method {name!r} serves the target's GGUF file; the configured target is not one")
     return list(dict.fromkeys([PLAIN_METHOD, *methods]))
 
 
 def run_levels(
     engine: SpecEngine, router: Router | None, requests: Sequence[Request], methods: Sequence[str],
-    levels: Sequence[int], params: SamplingParams, reference: Sequence[list[int]],
+    levels: Sequence[int], params: SamplingParams, reference: Sequence[list[int]], peer: ServerPeer | None = None,
 ) -> dict[str, dict[str, LevelResult]]:
     """summary.concurrency: per level, per method. `reference`: each request's plain output alone
-    (with its own seed, sampled)."""
+    (with its own seed, sampled); `peer`: llama.cpp, for its server's methods."""
     out: dict[str, dict[str, LevelResult]] = {}
     memories = TrafficMemories(engine)
     for c in levels:
@@ -116,15 +142,22 @@ def run_levels(
         for method in methods:
             memories.reset()  # each run learns from its own requests only (bench/methods.py)
             with memories.of(method):
-                runs[method] = _run(engine, router, requests, params, c, method)
+                runs[method] = _run(engine, router, requests, params, c, method, peer)
         base = _tokens_per_s(runs[PLAIN_METHOD])
-        out[str(c)] = {m: _result(run, base, reference if params.greedy or m in PLAIN_METHODS else None)
-                       for m, run in runs.items()}
+        out[str(c)] = {m: _result(run, base, reference if _compared(m, params) else None) for m, run in runs.items()}
     return out
 
 
+def _compared(method: str, params: SamplingParams) -> bool:
+    """Whether a method's outputs are compared with each request's plain output alone."""
+    return method not in SERVER_MODES and (params.greedy or method in PLAIN_METHODS)
+
+
 def _run(engine: SpecEngine, router: Router | None, requests: Sequence[Request], params: SamplingParams, c: int,
-         method: str) -> _Run:
+         method: str, peer: ServerPeer | None = None) -> _Run:
+    if method in SERVER_MODES:
+        assert peer is not None
+        return _served(peer, SERVER_MODES[method], requests, params, c)
     if method == SERIAL_METHOD:
         return _serial(engine, requests, params, c)
     if method == ROUTER_METHOD:
@@ -173,7 +206,7 @@ def _closed_loop(
     timings: list[_Timing] = [_Timing(0.0) for _ in requests]
     handles: dict[Any, int] = {}
     outputs: dict[int, list[int]] = {}
-    batch_sizes: list[int] = []
+    batch_sizes: list[float] = []
     forward_s: float | None = 0.0
     num_forwards = 0
     t0 = time.perf_counter()
@@ -265,6 +298,48 @@ def _serial(engine: SpecEngine, requests: Sequence[Request], params: SamplingPar
         return ids
 
     return _closed_loop(requests, concurrency, send, step, output)
+
+
+def _served(peer: ServerPeer, args: tuple[str, ...], requests: Sequence[Request], params: SamplingParams,
+            concurrency: int) -> _Run:
+    """The closed loop against llama.cpp's server (started with `args`): `concurrency` client
+    threads, each sending its next request when its last one finishes."""
+    queue = deque(enumerate(requests))
+    lock = threading.Lock()
+    timings = [_Timing(0.0) for _ in requests]
+    outputs: dict[int, list[int]] = {}
+    errors: list[Exception] = []
+    with LlamaServer(peer.directory, peer.gguf, concurrency, peer.slot_context, peer.threads, args) as server:
+        server.complete(requests[0].prompt_ids, replace(params, max_tokens=8))  # warm, untimed
+        before = server.decode_counts()
+
+        def client() -> None:
+            while True:
+                with lock:
+                    if not queue or errors:
+                        return
+                    i, request = queue.popleft()
+                timings[i].sent = time.perf_counter()
+                try:
+                    done = server.complete(request.prompt_ids, request.params(params))
+                except Exception as e:  # the level fails; the other clients stop after their request
+                    errors.append(e)
+                    return
+                timings[i].first, timings[i].done, timings[i].num_tokens = done.first, done.done, len(done.token_ids)
+                outputs[i] = done.token_ids
+
+        t0 = time.perf_counter()
+        clients = [threading.Thread(target=client) for _ in range(min(concurrency, len(requests)))]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join()
+        wall_s = time.perf_counter() - t0
+        if errors:
+            raise errors[0]
+        after = server.decode_counts()
+    mean_batch = after.mean_batch_since(before)
+    return _Run(outputs, timings, [] if mean_batch is None else [mean_batch], wall_s, None, 0)
 
 
 def concurrency_section(summary: dict[str, dict[str, dict]]) -> list[str]:

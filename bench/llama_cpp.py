@@ -37,7 +37,7 @@ _SPEC_HEADROOM = 32  # context past prompt + budget: speculation may run a few t
 _TIMEOUT_S = 600
 # seen on an Intel Xeon with AMX: the build's AMX matrix path crashes on the Q4_1 file; llama.cpp's
 # own switch keeps the weights out of it (docs/benchmarks.md, "Building llama.cpp")
-_AMX_HINT = ("\n(a crash in ggml_backend_amx_mul_mat on a CPU with AMX: run with LLAMA_ARG_REPACK=false, "
+AMX_HINT = ("\n(a crash in ggml_backend_amx_mul_mat on a CPU with AMX: run with LLAMA_ARG_REPACK=false, "
              "which keeps llama.cpp's weights in their own layout)")
 
 
@@ -148,7 +148,7 @@ class LlamaCppMethod:
                    "--temp", "0", "--seed", "0", *mode.args]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_TIMEOUT_S, stdin=subprocess.DEVNULL)
         if proc.returncode != 0:
-            hint = _AMX_HINT if proc.returncode == -signal.SIGSEGV else ""
+            hint = AMX_HINT if proc.returncode == -signal.SIGSEGV else ""
             raise LlamaCppError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-2000:]}{hint}")
         t = parse_timings(proc.stderr, mode.speculative)
         # for comparing llama.cpp's modes with each other: the budget's tokens less the last one,

@@ -15,17 +15,20 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from bench.concurrency import (
     Request,
+    ServerPeer,
     as_json,
     check_concurrency_methods,
     concurrency_section,
     plot_throughput,
     run_levels,
 )
+from bench.llama_server import SERVER_MODES
 from bench.lossless import find_mismatches
 from bench.machine import machine_info
 from bench.methods import HF_METHODS, ROUTER_METHOD, TrafficMemories, assistant_config, build_methods, check_methods
@@ -40,7 +43,7 @@ from workers.config import EngineConfig, RoutingConfig
 from workers.engine import SpecEngine
 from workers.routing import Router, measure_batch_cost, measure_costs
 from workers.sampling import SamplingParams
-from workers.target import load_hf
+from workers.target import gguf_file, load_hf
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +98,8 @@ def run_concurrency_bench(args: BenchArgs) -> dict:
     """The concurrency run (bench/concurrency.py): DIR/results.json with summary.concurrency,
     DIR/report.md and DIR/throughput.png."""
     assert args.concurrency
-    methods = check_concurrency_methods(args.methods, [d.name for d in args.config.drafters])
+    gguf = gguf_file(args.config.target)
+    methods = check_concurrency_methods(args.methods, [d.name for d in args.config.drafters], args.llama_cpp, gguf)
     prompts = load_prompts(args.prompts, args.per_category, args.categories, args.heldout_mod)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     engine = SpecEngine.from_config(args.config)
@@ -105,12 +109,16 @@ def run_concurrency_bench(args: BenchArgs) -> dict:
     router = None
     if "router" in methods:
         router = bench_router(engine, load_policy(args.routing.policy_path()), args.routing, batched=True)
+    peer = None
+    if args.llama_cpp is not None and gguf is not None:
+        peer = ServerPeer(args.llama_cpp, gguf, torch.get_num_threads(),
+                          max(map(len, prompt_ids.values())) + args.max_tokens)
     warm = requests[: max(0, args.warmup)]
-    if warm:  # every method once, unmeasured
-        run_levels(engine, router, warm, methods, [1], params,
+    if warm:  # every method of ours once, unmeasured (llama.cpp's server warms up per level)
+        run_levels(engine, router, warm, [m for m in methods if m not in SERVER_MODES], [1], params,
                    [engine.generate(r.prompt_ids, r.params(params)).token_ids for r in warm])
     reference = [engine.generate(r.prompt_ids, r.params(params)).token_ids for r in requests]
-    summary = as_json(run_levels(engine, router, requests, methods, args.concurrency, params, reference))
+    summary = as_json(run_levels(engine, router, requests, methods, args.concurrency, params, reference, peer))
     results = {
         "target": engine.target.name, "device": str(engine.target.model.device), "max_tokens": args.max_tokens,
         "num_prompts": len(requests), "methods": methods,

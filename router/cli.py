@@ -351,11 +351,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the first N prompts through every method untimed first: what learns from "
                             "traffic (the suffix drafter's memory, the router's statistics) starts warm")
     bench.add_argument("--concurrency", default=None, metavar="C1,C2,...",
-                       help="closed-loop client counts: run the methods (plain, drafters, router, plain-serial) "
+                       help="closed-loop client counts: run the methods (plain, drafters, router, plain-serial, "
+                            "llama-cpp-server[-ngram]) "
                             "under concurrent load instead, and report throughput and latency per level")
     bench.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR",
                        help="llama.cpp's binaries, for methods llama-cpp, llama-cpp-ngram, llama-cpp-lookup "
-                            "(default: $LLAMA_CPP_BIN)")
+                            "(and llama-cpp-server, llama-cpp-server-ngram under --concurrency; "
+                            "default: $LLAMA_CPP_BIN)")
     bench.add_argument("--temperature", type=float, default=0.0,
                        help="0 (default): greedy, every output checked against plain's; above 0: sampled, "
                             "the same seed per prompt for every method")

@@ -1,5 +1,6 @@
 """llama.cpp as a bench peer: its logs parsed, its methods refused by name without a build, a
-run through a stand-in binary, and its modes judged against its own plain output."""
+run through a stand-in binary, its modes judged against its own plain output, and its server
+under the concurrency bench's closed loop (a stand-in server)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.concurrency import Request, ServerPeer, check_concurrency_methods, run_levels
 from bench.llama_cpp import (
     LlamaCppError,
     LlamaCppMethod,
@@ -18,6 +20,7 @@ from bench.llama_cpp import (
     llama_cpp_dir,
     parse_timings,
 )
+from bench.llama_server import SERVER_MODES
 from bench.lossless import find_mismatches
 from bench.methods import check_methods
 from bench.prompts import BenchPrompt
@@ -140,3 +143,98 @@ def test_llama_cpps_modes_are_judged_against_its_own_plain_output() -> None:
     assert s["llama-cpp"].lossless and s["llama-cpp-ngram"].lossless and not s["llama-cpp-lookup"].lossless
     # answers of other lengths compare by tokens per second: 3 tokens/s against plain's 1
     assert s["llama-cpp"].speedup == pytest.approx(3.0) and s["ngram"].speedup == pytest.approx(2.0)
+
+
+FAKE_SERVER = """#!{python}
+import json, sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+args = sys.argv[1:]
+log = {log!r}
+lock = threading.Lock()
+state = {{"decodes": 0, "busy": 0, "active": 0}}
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def _send(self, body, kind="application/json"):
+        self.send_response(200)
+        self.send_header("content-type", kind)
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def do_GET(self):
+        if self.path == "/health":
+            return self._send('{{"status": "ok"}}')
+        with lock:
+            n, busy = state["decodes"], state["busy"]
+        self._send("# TYPE llamacpp:n_decode_total counter\\nllamacpp:n_decode_total %d\\n"
+                   "# TYPE llamacpp:n_busy_slots_per_decode gauge\\nllamacpp:n_busy_slots_per_decode %f\\n"
+                   % (n, busy / max(n, 1)), "text/plain")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        with open(log, "a") as f:
+            f.write(json.dumps({{"args": args, "body": body}}) + "\\n")
+        with lock:
+            state["active"] += 1
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()
+        for i in range(body["n_predict"]):  # the prompt's last token, counting up
+            with lock:
+                state["decodes"] += 1
+                state["busy"] += state["active"]
+            event = {{"content": "x", "tokens": [body["prompt"][-1] + i], "stop": False}}
+            self.wfile.write(("data: " + json.dumps(event) + "\\n\\n").encode())
+        self.wfile.write(b'data: {{"content": "", "tokens": [], "stop": true}}\\n\\n')
+        with lock:
+            state["active"] -= 1
+
+ThreadingHTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Handler).serve_forever()
+"""
+
+
+def test_llama_cpps_server_serves_the_closed_loop_with_our_prompts(tmp_path: Path, tiny_engine) -> None:
+    """A stand-in llama-server: each level starts its own with a slot per client; every request
+    goes as our token ids with our budget, uncached; the mean batch is the server's own count."""
+    log = tmp_path / "requests.jsonl"
+    script = tmp_path / "llama-server"
+    script.write_text(FAKE_SERVER.format(python=sys.executable, log=str(log)))
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    prompts = [BenchPrompt(question_id=i, category="qa", text=f"Question {i}: what is {i} + {i}?") for i in range(5)]
+    requests = [Request(p, tiny_engine.encode(p.chat())) for p in prompts]
+    params = SamplingParams(max_tokens=6)
+    reference = [tiny_engine.generate(r.prompt_ids, params).token_ids for r in requests]
+    peer = ServerPeer(tmp_path, tmp_path / "model.gguf", threads=2, slot_context=300)
+    levels = run_levels(tiny_engine, None, requests, ["plain", *SERVER_MODES], [1, 3], params, reference, peer)
+    for c, level in levels.items():
+        for mode in SERVER_MODES:
+            r = level[mode]
+            assert r.tokens_per_s > 0 and r.num_mismatches is None and r.host_ms_per_step is None
+            assert r.ttft_p50 <= r.ttft_p99
+            assert 1.0 <= r.mean_batch_size <= int(c)
+    sent = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(sent) == 2 * 2 * (1 + len(requests))  # levels x modes x (a warm-up + every request)
+    for call in sent:
+        args, body = call["args"], call["body"]
+        assert args[args.index("-m") + 1] == str(tmp_path / "model.gguf") and args[args.index("-t") + 1] == "2"
+        assert int(args[args.index("-c") + 1]) == int(args[args.index("-np") + 1]) * 300
+        assert ("--spec-type" in args) == (args[-1] == "ngram-simple")
+        assert body["cache_prompt"] is False and body["temperature"] == 0.0 and body["stream"] is True
+    timed = [c["body"] for c in sent if c["body"]["n_predict"] == 6]
+    assert sorted(map(tuple, (b["prompt"] for b in timed))) == sorted(tuple(r.prompt_ids) for r in requests
+                                                                      for _ in range(4))
+    assert {args[args.index("-np") + 1] for args in (c["args"] for c in sent)} == {"1", "3"}
+
+
+def test_llama_cpps_server_methods_are_refused_by_name_without_a_build(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"method 'llama-cpp-server' needs a llama.cpp build"):
+        check_concurrency_methods(["llama-cpp-server"], [], None, tmp_path / "model.gguf")
+    with pytest.raises(ValueError, match=r"method 'llama-cpp-server-ngram': no llama-server in"):
+        check_concurrency_methods(["llama-cpp-server-ngram"], [], tmp_path, tmp_path / "model.gguf")
+    (tmp_path / "llama-server").touch()
+    with pytest.raises(ValueError, match="serves the target's GGUF file"):
+        check_concurrency_methods(["llama-cpp-server"], [], tmp_path, None)
+    assert check_concurrency_methods(["llama-cpp-server"], [], tmp_path, tmp_path / "m.gguf") == [
+        "plain", "llama-cpp-server"]
