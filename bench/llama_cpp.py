@@ -35,10 +35,17 @@ from workers.sampling import SamplingParams
 ENV_VAR = "LLAMA_CPP_BIN"
 _SPEC_HEADROOM = 32  # context past prompt + budget: speculation may run a few tokens over
 _TIMEOUT_S = 600
-# seen on an Intel Xeon with AMX: the build's AMX matrix path crashes on the Q4_1 file; llama.cpp's
-# own switch keeps the weights out of it (docs/benchmarks.md, "Building llama.cpp")
-AMX_HINT = ("\n(a crash in ggml_backend_amx_mul_mat on a CPU with AMX: run with LLAMA_ARG_REPACK=false, "
+# seen on Intel Xeons with AMX: the build's AMX matrix path crashes on the Q4_1 file (SIGSEGV in
+# ggml_backend_amx_mul_mat, or SIGILL); llama.cpp's own switch keeps the weights out of it
+# (docs/benchmarks.md, "Building llama.cpp")
+_AMX_CRASHES = (-signal.SIGSEGV, -signal.SIGILL)
+_AMX_HINT = ("\n(a crash on a CPU with AMX, in llama.cpp's AMX matrix path: run with LLAMA_ARG_REPACK=false, "
              "which keeps llama.cpp's weights in their own layout)")
+
+
+def crash_hint(returncode: int | None) -> str:
+    """What to try when llama.cpp exited with `returncode`: the AMX switch after a crash."""
+    return _AMX_HINT if returncode in _AMX_CRASHES else ""
 
 
 @dataclass(frozen=True)
@@ -148,8 +155,8 @@ class LlamaCppMethod:
                    "--temp", "0", "--seed", "0", *mode.args]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_TIMEOUT_S, stdin=subprocess.DEVNULL)
         if proc.returncode != 0:
-            hint = AMX_HINT if proc.returncode == -signal.SIGSEGV else ""
-            raise LlamaCppError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-2000:]}{hint}")
+            raise LlamaCppError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-2000:]}"
+                                f"{crash_hint(proc.returncode)}")
         t = parse_timings(proc.stderr, mode.speculative)
         # for comparing llama.cpp's modes with each other: the budget's tokens less the last one,
         # which can merge with a token speculation emitted past the budget when the text is

@@ -16,7 +16,6 @@ Build: `llama-server` beside the other llama.cpp binaries (docs/benchmarks.md, "
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import subprocess
 import tempfile
@@ -28,7 +27,7 @@ from types import TracebackType
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.llama_cpp import AMX_HINT, LlamaCppError
+from bench.llama_cpp import LlamaCppError, crash_hint
 from workers.sampling import SamplingParams
 
 BINARY = "llama-server"
@@ -91,8 +90,8 @@ class LlamaServer:
 
     def _failed(self, what: str) -> LlamaCppError:
         self.log.seek(0)
-        crashed = self.proc is not None and self.proc.returncode == -signal.SIGSEGV
-        return LlamaCppError(f"{' '.join(self.cmd)} {what}:\n{self.log.read()[-2000:]}{AMX_HINT if crashed else ''}")
+        code = self.proc.returncode if self.proc is not None else None
+        return LlamaCppError(f"{' '.join(self.cmd)} {what}:\n{self.log.read()[-2000:]}{crash_hint(code)}")
 
     def complete(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         """One request, streamed; raises LlamaCppError when the server fails it."""

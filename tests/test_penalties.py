@@ -43,26 +43,31 @@ def engine(tiny_llama_dir: Path) -> SpecEngine:
 
 def test_path_counts_give_each_row_its_own_history() -> None:
     output, draft = [5, 7, 5], torch.tensor([7, 9, 7])
-    chain = path_counts(output, draft, DraftTree.chain(3).input_mask()[:, 1:], 12)
-    assert chain[:, 5].tolist() == [2, 2, 2, 2]
-    assert chain[:, 7].tolist() == [1, 2, 2, 3]  # row r has the draft's first r tokens behind it
-    assert chain[:, 9].tolist() == [0, 0, 1, 1]
+    chain = path_counts(output, draft, DraftTree.chain(3).input_mask()[:, 1:], also=torch.tensor([2, 5]))
+    assert chain.tokens.tolist() == [2, 5, 7, 9]
+    assert chain.counts.T.tolist() == [[0, 0, 0, 0], [2, 2, 2, 2],
+                                       [1, 2, 2, 3],  # row r has the draft's first r tokens behind it
+                                       [0, 0, 1, 1]]
     tree = DraftTree((-1, -1, 0))  # two candidates for the first position, one child of the first
-    counts = path_counts(output, draft, tree.input_mask()[:, 1:], 12)
-    assert counts[:, 7].tolist() == [1, 2, 1, 3]  # node 1 (a 9) is not on node 2's path
-    assert counts[:, 9].tolist() == [0, 0, 1, 0]
+    counts = path_counts(output, draft, tree.input_mask()[:, 1:])
+    assert counts.counts[:, 1].tolist() == [1, 2, 1, 3]  # node 1 (a 9) is not on node 2's path
+    assert counts.counts[:, 2].tolist() == [0, 0, 1, 0]
 
 
 def test_penalize_follows_vllms_formulas() -> None:
-    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
-    counts = torch.tensor([[3.0, 1.0, 0.0, 0.0]])
-    prompt_seen = torch.tensor([False, False, True, False])
+    """Token 0 occurs 3 times, token 1 once in the output; token 2 only in the prompt."""
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0], [2.0, -2.0, 1.0, 0.5, 3.0]])
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0,
                             logit_bias={3: 1.5})
-    out = penalize(logits, counts, prompt_seen, params)
-    expected = [2.0 / 2 - 0.25 * 3 - 0.5, -2.0 * 2 - 0.25 - 0.5, 1.0 / 2, 0.5 + 1.5]
+    sees = DraftTree.chain(1).input_mask()[:, 1:]  # row 1 has the draft's token 4 behind it
+    out = penalize(logits, params, [0, 1, 0, 0], torch.tensor([4]), sees, prompt_ids=torch.tensor([2]))
+    expected = [2.0 / 2 - 0.25 * 3 - 0.5, -2.0 * 2 - 0.25 - 0.5, 1.0 / 2, 0.5 + 1.5, 3.0]
     assert out[0].tolist() == pytest.approx(expected)
-    assert logits[0].tolist() == [2.0, -2.0, 1.0, 0.5]  # the forward's logits stay as they were
+    assert out[1].tolist() == pytest.approx(expected[:4] + [3.0 / 2 - 0.25 - 0.5])
+    assert logits[0].tolist() == [2.0, -2.0, 1.0, 0.5, 3.0]  # the forward's logits stay as they were
+    only_bias = SamplingParams(logit_bias={1: -1.0})
+    no_draft = torch.zeros(2, 0, dtype=torch.bool)
+    assert penalize(logits, only_bias, [], torch.tensor([], dtype=torch.long), no_draft)[:, 1].tolist() == [-3.0, -3.0]
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "self", "self_tree"])

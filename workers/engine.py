@@ -37,7 +37,7 @@ from workers.drafters.registry import build_drafters
 from workers.drafters.remote import DraftService
 from workers.logprobs import TokenText, token_logprobs
 from workers.models.base import ForwardOutput, KVCache, synchronize
-from workers.penalties import path_counts, penalize
+from workers.penalties import penalize
 from workers.result import GenerationResult, RequestError, StepStats, TokenLogprobs
 from workers.sampling import SamplingParams, make_generator, probs_from_logits
 from workers.target import LoadedModel, load_model
@@ -113,7 +113,7 @@ class Generation:
         self.steps: list[StepStats] = []
         # each output token's logprobs, when the request asks (workers/logprobs.py)
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
-        self._prompt_seen: torch.Tensor | None = None  # [vocab] bool, for a repetition penalty
+        self._prompt_tokens: torch.Tensor | None = None  # the prompt's distinct tokens, for a repetition penalty
         self._drafter_states: dict[str, Any] = {}
         self._broken: set[str] = set()
         self._no_draft = torch.empty(0, dtype=torch.long, device=self.device)
@@ -386,11 +386,9 @@ class Generation:
     def _penalized(self, logits: torch.Tensor, draft_ids: torch.Tensor, tree: DraftTree | None) -> torch.Tensor:
         """The step's rows biased and penalised, each by the history on its own path."""
         sees = (tree or DraftTree.chain(draft_ids.shape[0])).input_mask(logits.device)[:, 1:]
-        counts = path_counts(self.output_ids, draft_ids, sees, logits.shape[-1])
-        if self.params.repetition_penalty != 1.0 and self._prompt_seen is None:
-            self._prompt_seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-            self._prompt_seen[torch.tensor(self.ctx.token_ids[: self.num_prompt], device=logits.device)] = True
-        return penalize(logits, counts, self._prompt_seen, self.params)
+        if self.params.repetition_penalty != 1.0 and self._prompt_tokens is None:
+            self._prompt_tokens = torch.tensor(sorted(set(self.ctx.token_ids[: self.num_prompt])), device=logits.device)
+        return penalize(logits, self.params, self.output_ids, draft_ids, sees, self._prompt_tokens)
 
     def _emit(self, token_ids: list[int]) -> int:
         """Append tokens one by one, stopping where plain decoding would have stopped."""

@@ -1,8 +1,8 @@
 """Log-probabilities of generated tokens, as OpenAI's `logprobs` / `top_logprobs` report them.
 
 A token's log-probability is read off the target's raw distribution at its position (log-softmax
-of the logits, before temperature, top-k and top-p), as vLLM reports by default, from the
-row that verified it: plain or speculative, the numbers come from the same forward rows, and on
+of the logits, before penalties, temperature, top-k and top-p), as vLLM reports by default, from
+the row that verified it: plain or speculative, the numbers come from the same forward rows, and on
 a row-invariant target (int4, bfloat16 weights) they are bit for bit those of plain decoding.
 Computed only for requests that ask (`SamplingParams.logprobs`).
 """
@@ -31,7 +31,6 @@ class TokenText:
         byte_level = type(decoder).__name__ == "ByteLevel"
         self.byte_of = {c: b for b, c in bytes_to_unicode().items()} if byte_level else None
         self.added = set(tokenizer.get_added_vocab().values()) if hasattr(tokenizer, "get_added_vocab") else set()
-
         self._known: dict[int, tuple[str, tuple[int, ...]]] = {}  # at most the vocabulary
 
     def of(self, token_id: int) -> tuple[str, tuple[int, ...]]:
