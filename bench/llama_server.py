@@ -55,10 +55,11 @@ class LlamaServer:
 
     def __init__(self, directory: Path, gguf: Path, slots: int, slot_context: int, threads: int,
                  args: tuple[str, ...] = ()) -> None:
+        port = _free_port()
         self.cmd = [str(directory / BINARY), "-m", str(gguf), "-np", str(slots), "-c", str(slots * slot_context),
-                    "-t", str(threads), "-tb", str(threads), "--host", "127.0.0.1", "--port", str(_free_port()),
+                    "-t", str(threads), "-tb", str(threads), "--host", "127.0.0.1", "--port", str(port),
                     "--metrics", "--no-webui", *args]
-        self.url = f"http://127.0.0.1:{self.cmd[self.cmd.index('--port') + 1]}"
+        self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.TemporaryFile("w+")
         self.proc: subprocess.Popen[bytes] | None = None
 
