@@ -12,6 +12,9 @@ order. Methods:
   llama-cpp-server, llama-cpp-server-ngram  llama.cpp's server on the target's GGUF file, one
                 slot per client, plain or with its n-gram speculation, the same closed loop over
                 HTTP (bench/llama_server.py); its outputs come from other kernels, not compared
+With `rounds` > 1 every level runs each method that many times, the methods' order rotated each
+round, and reports each method's fastest round (a run of the same requests is only slowed down
+by what else the machine does) with every round's tokens/s beside it.
 Greedy, every request's output is compared with its single-request plain output; sampled, each
 request draws from its own seed (the same for every method) and plain's outputs are compared (equal
 where the target computes a row alike in any batch, as int4 and bfloat16 targets do), while a
@@ -85,9 +88,10 @@ class LevelResult:
     mean_batch_size: float  # requests per target forward
     host_ms_per_step: float | None  # the wall time around the target forwards, per step: scheduling,
     # drafting, routing, sampling, verification (None: plain-serial, whose steps do not split it out)
-    num_mismatches: int | None  # requests whose output differs from their single-request plain output
-    # (None: not compared, a sampled drafting method's)
+    num_mismatches: int | None  # requests whose output differs from their single-request plain output,
+    # in the round that differs most (None: not compared, a sampled drafting method's)
     wall_s: float
+    tokens_per_s_rounds: list[float]  # every round's, in order; the fields above are the fastest round's
 
 
 @dataclass
@@ -132,19 +136,22 @@ def check_concurrency_methods(methods: Sequence[str], engine_drafters: Sequence[
 def run_levels(
     engine: SpecEngine, router: Router | None, requests: Sequence[Request], methods: Sequence[str],
     levels: Sequence[int], params: SamplingParams, reference: Sequence[list[int]], peer: ServerPeer | None = None,
+    rounds: int = 1,
 ) -> dict[str, dict[str, LevelResult]]:
     """summary.concurrency: per level, per method. `reference`: each request's plain output alone
-    (with its own seed, sampled); `peer`: llama.cpp, for its server's methods."""
+    (with its own seed, sampled); `peer`: llama.cpp, for its server's methods; `rounds`: runs of
+    each method per level (the fastest reported)."""
     out: dict[str, dict[str, LevelResult]] = {}
     memories = TrafficMemories(engine)
     for c in levels:
-        runs: dict[str, _Run] = {}
-        for method in methods:
-            memories.reset()  # each run learns from its own requests only (bench/methods.py)
-            with memories.of(method):
-                runs[method] = _run(engine, router, requests, params, c, method, peer)
-        base = _tokens_per_s(runs[PLAIN_METHOD])
-        out[str(c)] = {m: _result(run, base, reference if _compared(m, params) else None) for m, run in runs.items()}
+        runs: dict[str, list[_Run]] = {m: [] for m in methods}
+        for r in range(rounds):
+            for method in [*methods[r % len(methods):], *methods[: r % len(methods)]]:
+                memories.reset()  # each run learns from its own requests only (bench/methods.py)
+                with memories.of(method):
+                    runs[method].append(_run(engine, router, requests, params, c, method, peer))
+        base = _tokens_per_s(max(runs[PLAIN_METHOD], key=_tokens_per_s))
+        out[str(c)] = {m: _result(each, base, reference if _compared(m, params) else None) for m, each in runs.items()}
     return out
 
 
@@ -179,7 +186,9 @@ def _pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
 
 
-def _result(run: _Run, plain_tokens_per_s: float, reference: Sequence[list[int]] | None) -> LevelResult:
+def _result(runs: list[_Run], plain_tokens_per_s: float, reference: Sequence[list[int]] | None) -> LevelResult:
+    """The fastest of a method's rounds, its mismatches counted over every round."""
+    run = max(runs, key=_tokens_per_s)
     ttft = [t.first - t.sent for t in run.timings if t.first is not None]
     tpot = [(t.done - t.first) / (t.num_tokens - 1) for t in run.timings
             if t.first is not None and t.done is not None and t.num_tokens > 1]
@@ -190,8 +199,9 @@ def _result(run: _Run, plain_tokens_per_s: float, reference: Sequence[list[int]]
         mean_batch_size=statistics.fmean(run.batch_sizes) if run.batch_sizes else 0.0,
         host_ms_per_step=(None if run.forward_s is None
                           else 1e3 * (run.wall_s - run.forward_s) / max(1, run.num_forwards)),
-        num_mismatches=None if reference is None else sum(run.outputs[i] != ref for i, ref in enumerate(reference)),
-        wall_s=run.wall_s,
+        num_mismatches=None if reference is None else max(
+            sum(r.outputs[i] != ref for i, ref in enumerate(reference)) for r in runs),
+        wall_s=run.wall_s, tokens_per_s_rounds=[_tokens_per_s(r) for r in runs],
     )
 
 
@@ -350,7 +360,9 @@ def concurrency_section(summary: dict[str, dict[str, dict]]) -> list[str]:
         for m in methods:
             if (r := level.get(m)) is None:
                 continue
-            lines.append(f"| {c} | {m} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+            spread = r.get("tokens_per_s_rounds", [])
+            rounds = f" ({min(spread):.1f}-{max(spread):.1f})" if len(spread) > 1 else ""
+            lines.append(f"| {c} | {m} | {r['tokens_per_s']:.1f}{rounds} | {r['speedup']:.2f}x | "
                          f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | {1e3 * r['tpot_p50']:.0f} / "
                          f"{1e3 * r['tpot_p99']:.0f} | {r['mean_batch_size']:.1f} | "
                          f"{_or_dash(r['host_ms_per_step'], '.1f')} | {_or_dash(r['num_mismatches'], 'd')} |")

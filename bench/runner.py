@@ -71,6 +71,7 @@ class BenchArgs:
     temperature: float = 0.0  # 0: greedy, outputs checked against plain's; else sampled
     top_p: float = 1.0
     seed: int = 0  # a sampled run's prompt i draws from seed + i, the same for every method
+    rounds: int = 1  # under concurrency: runs of each method per level, the fastest reported
 
 
 def encode_checked(engine: SpecEngine, prompts: Sequence[BenchPrompt], params: SamplingParams) -> dict:
@@ -118,7 +119,8 @@ def run_concurrency_bench(args: BenchArgs) -> dict:
         run_levels(engine, router, warm, [m for m in methods if m not in SERVER_MODES], [1], params,
                    [engine.generate(r.prompt_ids, r.params(params)).token_ids for r in warm])
     reference = [engine.generate(r.prompt_ids, r.params(params)).token_ids for r in requests]
-    summary = as_json(run_levels(engine, router, requests, methods, args.concurrency, params, reference, peer))
+    summary = as_json(run_levels(engine, router, requests, methods, args.concurrency, params, reference, peer,
+                                 args.rounds))
     results = {
         "target": engine.target.name, "device": str(engine.target.model.device), "max_tokens": args.max_tokens,
         "num_prompts": len(requests), "methods": methods,

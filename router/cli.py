@@ -142,7 +142,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         routing=routing_config(args.policy), heldout_mod=args.heldout_mod,
         concurrency=_levels(args.concurrency) if args.concurrency is not None else None,
         file_order=args.order == "file", prime=args.prime, llama_cpp=llama_cpp_dir(args.llama_cpp),
-        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed, rounds=args.rounds,
     )
     try:
         run_bench(bench_args)
@@ -354,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="closed-loop client counts: run the methods (plain, drafters, router, plain-serial, "
                             "llama-cpp-server[-ngram]) "
                             "under concurrent load instead, and report throughput and latency per level")
+    bench.add_argument("--rounds", type=_positive_int, default=1,
+                       help="under --concurrency: run each method this many times per level, the order rotated "
+                            "each round, and report its fastest round (on a machine whose speed drifts)")
     bench.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR",
                        help="llama.cpp's binaries, for methods llama-cpp, llama-cpp-ngram, llama-cpp-lookup "
                             "(and llama-cpp-server, llama-cpp-server-ngram under --concurrency; "

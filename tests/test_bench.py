@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -319,7 +320,8 @@ def test_cli_bench_under_concurrency(tmp_path: Path, tiny_config: EngineConfig, 
     prompts = write_questions(tmp_path / "q.jsonl")
     out = tmp_path / "out"
     assert main(["bench", "--prompts", str(prompts), "--per-category", "2", "--max-tokens", "8", "--config", str(config),
-                 "--warmup", "1", "--methods", "ngram,router,plain-serial", "--concurrency", "4,1", "--out", str(out)]) == 0
+                 "--warmup", "1", "--methods", "ngram,router,plain-serial", "--concurrency", "4,1", "--rounds", "2",
+                 "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     levels = results["summary"]["concurrency"]
     assert list(levels) == ["1", "4"]
@@ -328,11 +330,13 @@ def test_cli_bench_under_concurrency(tmp_path: Path, tiny_config: EngineConfig, 
         assert level["plain"]["speedup"] == pytest.approx(1.0)
         for r in level.values():
             assert r["num_mismatches"] == 0 and r["tokens_per_s"] > 0
+            assert len(r["tokens_per_s_rounds"]) == 2 and r["tokens_per_s"] == max(r["tokens_per_s_rounds"])
             assert r["ttft_p50"] <= r["ttft_p99"] and r["tpot_p50"] <= r["tpot_p99"]
     assert levels["1"]["plain"]["mean_batch_size"] == pytest.approx(1.0)
     assert levels["4"]["plain"]["mean_batch_size"] > 1.0 and levels["4"]["plain-serial"]["mean_batch_size"] == 1.0
     assert levels["4"]["router"]["host_ms_per_step"] > 0 and levels["4"]["plain-serial"]["host_ms_per_step"] is None
-    assert "| 4 | router |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert re.search(r"\| 4 \| router \| [\d.]+ \([\d.]+-[\d.]+\) \|", report)  # the fastest, both rounds
     assert (out / "throughput.png").read_bytes()[:8] == PNG_MAGIC
 
     assert main(["bench", "--prompts", str(prompts), "--methods", "plain", "--concurrency", "0,2",
