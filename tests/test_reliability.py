@@ -90,6 +90,7 @@ def _worker_status() -> dict:
     ("/v1/chat/completions", {**CHAT, "presence_penalty": "high"}, "presence_penalty"),
     ("/v1/chat/completions", {**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"dog": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"²": 1}}, "logit_bias"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"42": 101}}, "logit_bias"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"999999": 1}}, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
