@@ -149,6 +149,11 @@ def test_sampled_penalised_output_follows_the_penalised_distribution(engine: Spe
         assert 0 < sum(r.num_accepted_tokens for r in results) < sum(r.num_draft_tokens for r in results)
 
 
+def test_penalised_params_stay_hashable_and_compare_by_value() -> None:
+    a, b = SamplingParams(logit_bias={1: 1.0}), SamplingParams(logit_bias={1: 2.0})
+    assert {a: "a"}[SamplingParams(logit_bias={1: 1.0})] == "a" and a != b
+
+
 def test_bad_penalties_are_refused(engine: SpecEngine) -> None:
     for bad, field in [({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
                        ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {3: 101}}, "logit_bias")]:

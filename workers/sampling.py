@@ -40,7 +40,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1: none
-    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # token id -> added to its logit; compared, not hashed (params stay usable as a key)
+    logit_bias: Mapping[int, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
