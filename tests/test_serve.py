@@ -136,8 +136,10 @@ def test_stream_equals_non_stream(client, kind: str) -> None:
 
 def test_chat_logprobs_streamed_and_not(client) -> None:
     """The openai client's own types parse them; a stream's logprobs join into the whole response's."""
+    # a fixed drafter and k: the float32 tiny target computes a row alike only in the same call shape
     common = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": 24,
-              "temperature": 0, "logprobs": True, "top_logprobs": 3, "extra_body": {"ignore_eos": True}}
+              "temperature": 0, "logprobs": True, "top_logprobs": 3,
+              "extra_body": {"ignore_eos": True, "speculation": {"drafter": "self", "draft_len": 3}}}
     full = client.chat.completions.create(**common)
     content = full.choices[0].logprobs.content
     assert len(content) == full.usage.completion_tokens == 24
@@ -155,7 +157,7 @@ def test_chat_logprobs_streamed_and_not(client) -> None:
 
 def test_completion_logprobs(base_url: str) -> None:
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.8, "seed": 5,
-            "logprobs": 2, "ignore_eos": True, "speculation": {"drafter": "self"}}
+            "logprobs": 2, "ignore_eos": True, "speculation": {"drafter": "self", "draft_len": 3}}
     out = requests.post(f"{base_url}/v1/completions", json=body, timeout=60).json()
     lp = out["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 12
@@ -193,7 +195,7 @@ def test_logit_bias_and_penalties(base_url: str, tiny_llama_dir: Path) -> None:
 def test_n_choices_streamed_and_not(client) -> None:
     """Choice i draws from seed + i: each equals a single request with that seed, streamed alike."""
     common = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": 16,
-              "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+              "temperature": 1.0, "extra_body": {"ignore_eos": True, "speculation": {"drafter": "none"}}}
     full = client.chat.completions.create(n=3, seed=7, **common)
     assert [c.index for c in full.choices] == [0, 1, 2]
     texts = [c.message.content for c in full.choices]
