@@ -507,13 +507,12 @@ class OpenAIIngress:
             raise APIError(400, f"{field}: {body.num_max_tokens} leaves no room for the prompt in this model's "
                                 f"context length of {max_len} tokens", field, "context_length_exceeded")
         spec = body.speculation
-        penalties = {name: value for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
-                     if (value := getattr(body, name)) is not None}
         request = GenerateRequest(
             prompt=prompt, max_tokens=body.num_max_tokens, temperature=body.temperature,
             top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed, stop=tuple(body.stop),
             ignore_eos=body.ignore_eos, drafter=spec.drafter, draft_len=spec.draft_len, domain=spec.domain,
-            logprobs=body.num_logprobs, logit_bias=body.token_bias, **penalties,
+            logprobs=body.num_logprobs, logit_bias=body.token_bias, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         )
         seed = body.seed
         return [request if seed is None else replace(request, seed=seed + i) for i in range(body.n)]

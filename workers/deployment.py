@@ -57,9 +57,10 @@ class GenerateRequest:
     draft_len: int | None = None  # None: the policy chooses k
     domain: str | None = None  # None: the policy's classifier decides
     logprobs: int | None = None  # None: none; n: each token's logprob and its n likeliest alternatives
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    # None: SamplingParams' default (no penalty)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
@@ -335,12 +336,12 @@ class TargetWorker:
         except Exception as e:  # e.g. a chat template that refuses the roles given
             raise RequestError(f"cannot tokenize the prompt: {e}", r.prompt_param) from None
         try:
-            kwargs = {} if r.max_tokens is None else {"max_tokens": r.max_tokens}
+            defaulted = {"max_tokens": r.max_tokens, "presence_penalty": r.presence_penalty,
+                         "frequency_penalty": r.frequency_penalty, "repetition_penalty": r.repetition_penalty}
             params = self._sampling_mod.SamplingParams(
                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed, stop=r.stop,
-                ignore_eos=r.ignore_eos, logprobs=r.logprobs, presence_penalty=r.presence_penalty,
-                frequency_penalty=r.frequency_penalty, repetition_penalty=r.repetition_penalty,
-                logit_bias=r.logit_bias, **kwargs,
+                ignore_eos=r.ignore_eos, logprobs=r.logprobs, logit_bias=r.logit_bias,
+                **{name: value for name, value in defaulted.items() if value is not None},
             )
         except ValueError as e:  # the ingress checks the same ranges; its message starts with the field
             raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
