@@ -52,9 +52,10 @@ class Request:
     prompt: BenchPrompt
     prompt_ids: list[int]
     seed: int | None = None  # a sampled request's own seed, the same for every method
+    prediction: tuple[int, ...] = ()  # the prompt's predicted output (BenchPrompt.prediction), as token ids
 
     def params(self, params: SamplingParams) -> SamplingParams:
-        return params if self.seed is None else replace(params, seed=self.seed)
+        return replace(params, prediction=self.prediction, **({} if self.seed is None else {"seed": self.seed}))
 
 
 @dataclass(frozen=True)

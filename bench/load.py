@@ -84,6 +84,8 @@ def one_request(session: requests.Session, args: LoadArgs, prompt: BenchPrompt) 
     }
     if args.model:
         body["model"] = args.model
+    if prompt.prediction is not None:
+        body["prediction"] = {"type": "content", "content": prompt.prediction}
     t0 = time.perf_counter()
     timing = RequestTiming(ok=False, sent_at=t0)
     try:

@@ -3,7 +3,8 @@
 Only the first turn is benchmarked: the second turn of a Spec-Bench question follows the model's
 own first answer, which would make the prompt depend on the method that produced it. A line may
 instead carry `messages` ([{role, content}], earlier answers written out, as in
-bench/workloads/): the whole conversation is the prompt.
+bench/workloads/): the whole conversation is the prompt. A line may also carry `prediction`: the
+output the request predicts (OpenAI's Predicted Outputs), sent with it to every method of ours.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class BenchPrompt:
     category: str
     text: str  # the first turn; with `messages`, the last user message (what the classifier reads)
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) of a whole conversation
+    prediction: str | None = None  # the output the request predicts
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages an OpenAI-style request carries: the text as one user message, or the
@@ -40,11 +42,12 @@ class BenchPrompt:
 
 
 def _parse(q: dict) -> BenchPrompt:
+    prediction = None if q.get("prediction") is None else str(q["prediction"])
     if "messages" in q:
         messages = tuple((str(m["role"]), str(m["content"])) for m in q["messages"])
         text = next(content for role, content in reversed(messages) if role == "user")
-        return BenchPrompt(q["question_id"], str(q["category"]), text, messages)
-    return BenchPrompt(q["question_id"], str(q["category"]), str(q["turns"][0]))
+        return BenchPrompt(q["question_id"], str(q["category"]), text, messages, prediction)
+    return BenchPrompt(q["question_id"], str(q["category"]), str(q["turns"][0]), prediction=prediction)
 
 
 def load_prompts(

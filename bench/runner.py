@@ -105,7 +105,8 @@ def run_concurrency_bench(args: BenchArgs) -> dict:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     engine = SpecEngine.from_config(args.config)
     prompt_ids = encode_checked(engine, prompts, params)
-    requests = [Request(p, prompt_ids[p.question_id], None if params.greedy else args.seed + i)
+    requests = [Request(p, prompt_ids[p.question_id], None if params.greedy else args.seed + i,
+                        tuple(engine.encode_text(p.prediction or "")))
                 for i, p in enumerate(prompts)]
     router = None
     if "router" in methods:
@@ -157,11 +158,12 @@ def run_bench(args: BenchArgs) -> dict:
     if args.prime >= len(prompts):
         raise ValueError(f"--prime {args.prime} leaves none of the {len(prompts)} selected prompts to time")
     policy = load_policy(args.routing.policy_path()) if ROUTER_METHOD in methods else None
-    # one seed per prompt, shared by every method (greedy ignores it)
-    prompt_params = {p.question_id: replace(params, seed=args.seed + i) for i, p in enumerate(prompts)}
-
     engine = SpecEngine.from_config(args.config)
     prompt_ids = encode_checked(engine, prompts, params)
+    # one seed per prompt, shared by every method (greedy ignores it), and the prompt's prediction
+    prompt_params = {p.question_id: replace(params, seed=args.seed + i,
+                                            prediction=tuple(engine.encode_text(p.prediction or "")))
+                     for i, p in enumerate(prompts)}
 
     load_target = functools.cache(lambda: load_hf(args.config.target)[0])  # the target in transformers
     hf_model: PreTrainedModel | None = load_target() if set(methods) & set(HF_METHODS) else None

@@ -65,6 +65,7 @@ from router.schemas import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionTokensDetails,
     ContextSpanInfo,
     ErrorBody,
     ErrorResponse,
@@ -308,7 +309,13 @@ def _speculation_info(result: GenerationResult) -> SpeculationInfo:
 def _usage(results: list[GenerationResult]) -> Usage:
     """A request's usage: its prompt once, every choice's completion."""
     prompt, completion = results[0].num_prompt_tokens, sum(r.num_completion_tokens for r in results)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    predicted = [r.prediction for r in results if r.prediction is not None]
+    details = CompletionTokensDetails(
+        accepted_prediction_tokens=sum(p.accepted for p in predicted),
+        rejected_prediction_tokens=sum(p.rejected for p in predicted),
+    ) if predicted else None
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 completion_tokens_details=details)
 
 
 async def _interleaved(
@@ -513,6 +520,7 @@ class OpenAIIngress:
             ignore_eos=body.ignore_eos, drafter=spec.drafter, draft_len=spec.draft_len, domain=spec.domain,
             logprobs=body.num_logprobs, logit_bias=body.token_bias, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+            prediction=body.prediction.text if body.prediction is not None else None,
         )
         seed = body.seed
         return [request if seed is None else replace(request, seed=seed + i) for i in range(body.n)]

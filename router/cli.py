@@ -94,6 +94,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # one request: a measured cost curve would cost more than it could save
         router = Router.from_config(engine, routing.model_copy(update={"calibrate": False}), MemoryStats())
         prompt_ids = engine.encode(args.prompt, chat=not args.raw)
+        if args.prediction:
+            params = dataclasses.replace(params, prediction=tuple(engine.encode_text(args.prediction)))
         result = route(router, prompt_ids, params, args.prompt, Speculation(args.drafter, args.draft_len))
     except (ModelLoadError, PolicyError) as e:
         raise CLIError(str(e)) from None
@@ -115,6 +117,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "mean_acceptance_length": round(result.mean_acceptance_length, 4),
         "accepted_per_position": result.accepted_per_position,
         "wall_s": round(result.wall_s, 4),
+        **({} if result.prediction is None else {"prediction_tokens": dataclasses.asdict(result.prediction)}),
         **({} if result.logprobs is None else {"logprobs": [
             {**_logprob_json(e.chosen), "top_logprobs": [_logprob_json(t) for t in e.top]} for e in result.logprobs
         ]}),
@@ -323,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     for penalty in ("presence", "frequency", "repetition"):
         gen.add_argument(f"--{penalty}-penalty", type=float, default=None, help="default: none")
+    gen.add_argument("--prediction", default=None, metavar="TEXT",
+                     help="the output expected (e.g. the file an edit rewrites): drafted from, never emitted as is")
     gen.add_argument("--raw", action="store_true", help="no chat template: the prompt as is")
     gen.add_argument("--logprobs", type=int, default=None, metavar="N",
                      help="with --json: each token's logprob and its position's N likeliest")

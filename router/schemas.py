@@ -4,7 +4,9 @@ how well it was accepted), `top_k` and `ignore_eos` (as in vLLM).
 
 `logprobs` report the target's raw distribution (before penalties, temperature, top-k and top-p;
 vLLM's default), read off the rows that verified each token (workers/logprobs.py). Penalties and
-`logit_bias` apply to every verified row with its own history (workers/penalties.py).
+`logit_bias` apply to every verified row with its own history (workers/penalties.py). A
+`prediction` (OpenAI's Predicted Outputs) is drafted from, never emitted as is
+(workers/drafters/prediction.py); `usage.completion_tokens_details` counts its tokens.
 
 Every field OpenAI defines is accepted. Those that do not change what is generated (`user`,
 `metadata`, ...) are ignored; those this server does not implement (tools, response_format, ...)
@@ -38,7 +40,7 @@ _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (None, False), "suffix": (None, ""),
     "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
-    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
+    "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
 }
 
 
@@ -71,6 +73,24 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: text the output is expected to repeat (a file an edit rewrites)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class GenerationRequestBase(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -98,6 +118,8 @@ class GenerationRequestBase(BaseModel):
     repetition_penalty: float | None = Field(None, ge=1 / MAX_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
                                              description="extension, as in vLLM: 1 = none")
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit")
+    prediction: Prediction | None = Field(
+        None, description="the output expected, drafted from (OpenAI's on chat; an extension on completions)")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -180,11 +202,6 @@ class CompletionRequest(GenerationRequestBase):
         return value
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -219,11 +236,10 @@ class ChatCompletionRequest(GenerationRequestBase):
     response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
-    prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
 
     @field_validator("tools", "tool_choice", "functions", "function_call",
-                     "response_format", "modalities", "audio", "prediction", "web_search_options")
+                     "response_format", "modalities", "audio", "web_search_options")
     @classmethod
     def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
         return _no_op(value, info)
@@ -245,10 +261,19 @@ class ChatCompletionRequest(GenerationRequestBase):
 
 
 # -- responses -------------------------------------------------------------------------------
+class CompletionTokensDetails(BaseModel):
+    """Where a request predicted its output: predicted tokens drafted and accepted as output, and
+    drafted but rejected by verification (computed, not emitted)."""
+
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a `prediction` only
 
 
 class ContextSpanInfo(BaseModel):

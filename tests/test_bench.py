@@ -19,7 +19,7 @@ from bench.records import RunRecord
 from bench.report import TABLE_HEADER, mismatch_section
 from bench.runner import BenchArgs, run_bench
 from bench.summary import OVERALL, summarize
-from workers.config import EngineConfig, NgramDrafterConfig, SuffixDrafterConfig
+from workers.config import EngineConfig, NgramDrafterConfig, PredictionDrafterConfig, SuffixDrafterConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RESULT_KEYS = {"target", "device", "max_tokens", "sampling", "runs", "summary", "mismatches", "verify_curve",
@@ -177,6 +177,28 @@ def test_cli_bench_primes_a_workload_in_file_order(tmp_path: Path, tiny_config: 
     assert not results["mismatches"]
     assert main(["bench", "--prompts", str(prompts), "--config", str(config), "--prime", "4", "--methods", "plain",
                  "--out", str(tmp_path / "none")]) == 2  # nothing left to time
+
+
+def test_cli_bench_sends_each_prompt_its_prediction(tmp_path: Path, tiny_config: EngineConfig) -> None:
+    """A line's `prediction` reaches every method of ours: the prediction drafter drafts from it
+    (from the first step on) and proposes nothing for a line without one."""
+    from router.cli import main
+
+    engine = tiny_config.model_copy(update={"drafters": [*tiny_config.drafters, PredictionDrafterConfig()]})
+    config = tmp_path / "engine.yaml"
+    config.write_text(yaml.safe_dump(engine.model_dump(mode="json")))
+    lines = [{"question_id": "p", "category": "a", "turns": ["Fix this: teh cat"], "prediction": "the cat sat"},
+             {"question_id": "q", "category": "a", "turns": ["Name a color."]}]
+    prompts = tmp_path / "edits.jsonl"
+    prompts.write_text("".join(json.dumps(q) + "\n" for q in lines))
+    assert [p.prediction for p in load_prompts(prompts, 10)] == ["the cat sat", None]
+    out = tmp_path / "out"
+    assert main(["bench", "--prompts", str(prompts), "--per-category", "10", "--max-tokens", "12", "--config",
+                 str(config), "--no-verify-curve", "--methods", "plain,prediction", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    drafted = {r["question_id"]: r["num_draft_tokens"] for r in results["runs"] if r["method"] == "prediction"}
+    assert drafted["p"] > 0 and drafted["q"] == 0
+    assert not results["mismatches"]
 
 
 def test_cli_bench_sampled(tmp_path: Path, tiny_config: EngineConfig, capsys: pytest.CaptureFixture[str]) -> None:

@@ -127,11 +127,18 @@ def test_invalid_config_names_the_field(tmp_path: Path) -> None:
     assert_user_error(proc, "missing.yaml")
 
 
+def test_generate_drafts_from_a_prediction(plain_json: dict) -> None:
+    out = generate_json("--drafter", "prediction", "--prediction", plain_json["text"])
+    assert out["token_ids"] == plain_json["token_ids"] and out["drafters_used"] == ["prediction"]
+    assert out["prediction_tokens"]["accepted"] == out["num_accepted_tokens"] > 0
+    assert "prediction_tokens" not in plain_json
+
+
 def test_generate_auto_routes_and_reports_the_decision(plain_json: dict) -> None:
     out = generate_json()  # --drafter auto is the default
     assert out["token_ids"] == plain_json["token_ids"]  # routing never changes greedy output
     assert out["domain"] in ("chat", "code", "math", "rag", "summarization", "translation")
-    assert out["policy_version"] == "default-5" and out["reason"] in ("best", "explore", "fallback")
+    assert out["policy_version"] == "default-6" and out["reason"] in ("best", "explore", "fallback")
     assert sum(steps for _, _, steps in out["schedule"]) == out["num_steps"]
     assert {drafter for drafter, _, _ in out["schedule"]} <= {"ngram", "none"}
 

@@ -17,7 +17,7 @@ import requests
 import yaml
 from helpers import serve_tiny_app
 
-from workers.config import EngineConfig
+from workers.config import EngineConfig, PredictionDrafterConfig
 
 openai = pytest.importorskip("openai")
 
@@ -28,7 +28,8 @@ GREEDY = {"temperature": 0, "max_tokens": 24}
 
 @pytest.fixture(scope="module")
 def base_url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with serve_tiny_app(tiny_config, tmp_path_factory.mktemp("serve"), MODEL) as url:
+    config = tiny_config.model_copy(update={"drafters": [*tiny_config.drafters, PredictionDrafterConfig()]})
+    with serve_tiny_app(config, tmp_path_factory.mktemp("serve"), MODEL) as url:
         yield url
 
 
@@ -88,7 +89,7 @@ def test_chat_completion(client) -> None:
     spec = out.model_extra["speculation"]
     # auto: the shipped policy routes "Hello" (chat) to prompt lookup or plain decoding
     assert spec["drafter"] in ("ngram", "none") and spec["reason"] in ("best", "explore", "fallback")
-    assert spec["domain"] == "chat" and spec["policy_version"] == "default-5"
+    assert spec["domain"] == "chat" and spec["policy_version"] == "default-6"
     assert sum(steps for _, _, steps in spec["schedule"]) == spec["num_steps"]
 
 
@@ -267,6 +268,35 @@ def test_drafters_are_lossless_and_stats_consistent(base_url: str) -> None:
     assert self_spec["num_accepted_tokens"] == self_spec["num_draft_tokens"] > 0
 
 
+def test_prediction_drafts_and_reports_usage(client) -> None:
+    """A prediction (OpenAI's Predicted Outputs) drafts but never changes the output; usage counts
+    the predicted tokens accepted and rejected, streamed or not, for a string or text parts."""
+    common = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": 32,
+              "temperature": 0, "extra_body": {"ignore_eos": True}}
+    plain = client.chat.completions.create(**common)
+    assert plain.usage.completion_tokens_details is None  # no prediction, no prediction counts
+    text = plain.choices[0].message.content
+    for content in (text, [{"type": "text", "text": text[:20]}, {"type": "text", "text": text[20:]}]):
+        prediction = {"type": "content", "content": content}
+        forced = {**common, "extra_body": {**common["extra_body"], "speculation": {"drafter": "prediction", "draft_len": 8}}}
+        out = client.chat.completions.create(prediction=prediction, **forced)
+        assert out.choices[0].message.content == text
+        details = out.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens > 16 and details.rejected_prediction_tokens >= 0
+        assert out.speculation["drafters"] == ["prediction"]
+        chunks = list(client.chat.completions.create(prediction=prediction, stream=True,
+                                                     stream_options={"include_usage": True}, **forced))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        assert chunks[-1].usage == out.usage
+    routed = client.chat.completions.create(prediction={"type": "content", "content": text}, **common)
+    assert routed.choices[0].message.content == text
+    assert routed.usage.completion_tokens_details is not None
+    completion = client.completions.create(model=MODEL, prompt="Once", max_tokens=8, temperature=0)
+    again = client.completions.create(model=MODEL, prompt="Once", max_tokens=8, temperature=0,
+                                      extra_body={"prediction": {"type": "content", "content": completion.choices[0].text}})
+    assert again.choices[0].text == completion.choices[0].text
+
+
 def test_draft_len_and_seeded_sampling(base_url: str) -> None:
     r = _chat(base_url, speculation={"drafter": "self", "draft_len": 2}, **GREEDY).json()
     assert r["speculation"]["draft_len"] == 2 and len(r["speculation"]["acceptance_histogram"]) <= 2
@@ -351,6 +381,10 @@ LONG_PROMPT = "lorem ipsum " * 600  # > 1024 tokens, the tiny config's max_model
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {}, "prompt"),
     ("completions", {"prompt": "hi", "stop": 3}, "stop"),
+    ("chat", {"prediction": "x"}, "prediction"),
+    ("chat", {"prediction": {"type": "file", "content": "x"}}, "prediction.type"),
+    ("completions", {"prompt": "hi", "prediction": {"type": "content", "content": "lorem ipsum " * 600}},
+     "prediction"),
 ])
 def test_bad_request_is_400_naming_the_field(base_url: str, path: str, body: dict, param: str) -> None:
     default = {"messages": [{"role": "user", "content": "hi"}]} if path == "chat" else {}

@@ -111,6 +111,18 @@ class NgramDrafterConfig(_MatchLengths):
     draft_len: int = Field(6, ge=1, description="static k when the policy does not choose one")
 
 
+class PredictionDrafterConfig(_MatchLengths):
+    """Predicted outputs (workers/drafters/prediction.py): draft from the text a request predicts its
+    output to be (OpenAI's `prediction` field), following it while the output does."""
+
+    kind: Literal["prediction"] = "prediction"
+    name: str = "prediction"
+    min_n: int = Field(2, ge=1, description="shortest run of output tokens that re-aligns the draft with the "
+                                            "prediction after the two part")
+    max_n: int = Field(8, ge=1, description="longest run tried first")
+    draft_len: int = Field(7, ge=1, description="static k when the policy does not choose one")
+
+
 class DrafterDeploymentConfig(_Strict):
     """A drafter served by its own Serve deployment (its own replicas, CPUs or GPUs) instead of
     inside each target replica. Outside Serve (the CLI, the bench) it runs colocated."""
@@ -227,8 +239,8 @@ class MedusaDrafterConfig(_CheckpointDrafterConfig):
 
 
 DrafterConfig = Annotated[
-    NgramDrafterConfig | SuffixDrafterConfig | LookaheadDrafterConfig | ModelDrafterConfig | EagleDrafterConfig
-    | MedusaDrafterConfig,
+    NgramDrafterConfig | PredictionDrafterConfig | SuffixDrafterConfig | LookaheadDrafterConfig | ModelDrafterConfig
+    | EagleDrafterConfig | MedusaDrafterConfig,
     Field(discriminator="kind"),
 ]
 
@@ -249,7 +261,8 @@ class SchedulerConfig(_Strict):
 class EngineConfig(_Strict):
     target: TargetConfig = TargetConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
-    drafters: list[DrafterConfig] = Field(default_factory=lambda: [NgramDrafterConfig()])
+    # the drafters that need neither a model nor a memory: prompt lookup and predicted outputs
+    drafters: list[DrafterConfig] = Field(default_factory=lambda: [NgramDrafterConfig(), PredictionDrafterConfig()])
     max_draft_len: int = Field(MAX_DRAFT_LEN, ge=1, description="upper bound on k for any drafter")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
 

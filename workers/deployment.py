@@ -62,6 +62,7 @@ class GenerateRequest:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    prediction: str | None = None  # the output the client expects (OpenAI's Predicted Outputs): drafted from
 
     @property
     def prompt_param(self) -> str:
@@ -336,11 +337,15 @@ class TargetWorker:
         except Exception as e:  # e.g. a chat template that refuses the roles given
             raise RequestError(f"cannot tokenize the prompt: {e}", r.prompt_param) from None
         try:
+            prediction = tuple(engine.encode_text(r.prediction)) if r.prediction else ()
+        except Exception as e:
+            raise RequestError(f"cannot tokenize the prediction: {e}", "prediction") from None
+        try:
             defaulted = {"max_tokens": r.max_tokens, "presence_penalty": r.presence_penalty,
                          "frequency_penalty": r.frequency_penalty, "repetition_penalty": r.repetition_penalty}
             params = self._sampling_mod.SamplingParams(
                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed, stop=r.stop,
-                ignore_eos=r.ignore_eos, logprobs=r.logprobs, logit_bias=r.logit_bias,
+                ignore_eos=r.ignore_eos, logprobs=r.logprobs, logit_bias=r.logit_bias, prediction=prediction,
                 **{name: value for name, value in defaulted.items() if value is not None},
             )
         except ValueError as e:  # the ingress checks the same ranges; its message starts with the field

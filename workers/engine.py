@@ -33,12 +33,13 @@ from workers.drafters.base import (
     LogitsReader,
     TrafficLearner,
 )
+from workers.drafters.prediction import PredictionDrafter
 from workers.drafters.registry import build_drafters
 from workers.drafters.remote import DraftService
 from workers.logprobs import TokenText, token_logprobs
 from workers.models.base import ForwardOutput, KVCache, synchronize
 from workers.penalties import penalize
-from workers.result import GenerationResult, RequestError, StepStats, TokenLogprobs
+from workers.result import GenerationResult, PredictionTokens, RequestError, StepStats, TokenLogprobs
 from workers.sampling import SamplingParams, make_generator, probs_from_logits
 from workers.target import LoadedModel, load_model
 from workers.tree import DraftTree
@@ -336,7 +337,13 @@ class Generation:
             ttft_s=self.ttft_s if self.ttft_s is not None else time.perf_counter() - self.started_at,
             steps=self.steps,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            prediction=self._prediction_tokens() if self.params.prediction else None,
         )
+
+    def _prediction_tokens(self) -> PredictionTokens:
+        drafted = [s for s in self.steps if s.drafter in self.engine.prediction_drafters]
+        accepted = sum(s.num_accepted for s in drafted)
+        return PredictionTokens(accepted, sum(s.num_draft_tokens for s in drafted) - accepted)
 
     # -- internals --------------------------------------------------------------------------
     def _prefill(self) -> None:
@@ -453,6 +460,7 @@ class SpecEngine:
         self.logits_readers = {name for name, d in drafters.items() if isinstance(d, LogitsReader)}
         # looked up per request and step (isinstance against a Protocol costs ~8 us)
         self.batch_drafters = {name for name, d in drafters.items() if isinstance(d, BatchDrafter)}
+        self.prediction_drafters = {name for name, d in drafters.items() if isinstance(d, PredictionDrafter)}
 
     @classmethod
     def from_config(cls, config: EngineConfig, services: Mapping[str, DraftService] | None = None) -> SpecEngine:
@@ -481,6 +489,10 @@ class SpecEngine:
             return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
         return tok.encode(prompt)
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of a bare text, without special tokens (a predicted output)."""
+        return self.target.tokenizer.encode(text, add_special_tokens=False)
+
     def default_draft_len(self, drafter: str) -> int:
         return 0 if drafter == PLAIN else getattr(self.drafters[drafter].config, "draft_len", 0)
 
@@ -493,6 +505,12 @@ class SpecEngine:
         if params.logit_bias and (token := max(params.logit_bias)) >= self.target.model.info.vocab_size:
             raise RequestError(f"logit_bias: token id {token} is not in the vocabulary of "
                                f"{self.target.model.info.vocab_size} tokens", "logit_bias")
+        if params.prediction:
+            if len(params.prediction) > self.max_model_len:
+                raise RequestError(f"prediction: {len(params.prediction)} tokens, more than this model's maximum "
+                                   f"context length of {self.max_model_len}", "prediction")
+            if not 0 <= min(params.prediction) <= max(params.prediction) < self.target.model.info.vocab_size:
+                raise RequestError("prediction: a token id outside the vocabulary", "prediction")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "

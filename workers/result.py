@@ -64,6 +64,15 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
+class PredictionTokens:
+    """What a request's predicted output (OpenAI's `prediction`) was worth: its tokens drafted and
+    accepted as output, and drafted but rejected (verified at a cost, never emitted)."""
+
+    accepted: int
+    rejected: int
+
+
+@dataclass(frozen=True)
 class Segment:
     """Consecutive steps with the same drafter and k."""
 
@@ -124,6 +133,7 @@ class GenerationResult:
     steps: list[StepStats] = field(repr=False, default_factory=list)  # empty on the wire
     routing: RoutingReport | None = None  # how the router ran it (None: a bare engine request)
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when the request asked
+    prediction: PredictionTokens | None = None  # when the request predicted its output
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -327,13 +327,17 @@ class Router:
             raise RequestError(str(e).split(": ", 1)[-1], "speculation.domain") from None
         domain = classification.domain
         dp = policy.domains[domain]
+        # a prediction drafter drafts only for a request that predicts its output: its statistics
+        # are those of such requests, and no other request's plan or shadows count it
+        usable = {name for name in self.engine.drafters
+                  if params.prediction or name not in self.engine.prediction_drafters}
         features = Features(domain, len(prompt_ids))
         if drafter == PLAIN or k == 0:
             plan = forced_plan(domain, PLAIN, 0)
         elif drafter != AUTO and k is not None:
             plan = forced_plan(domain, drafter, k)
         else:
-            candidates = [d for d in dp.drafters if d == PLAIN or d in self.engine.drafters]
+            candidates = [d for d in dp.drafters if d == PLAIN or d in usable]
             if drafter != AUTO:  # the request names its drafter; the policy picks k
                 candidates = [drafter]
             plan = self.decide(policy, features, candidates)
@@ -347,7 +351,7 @@ class Router:
             allow_plain=drafter == AUTO, adaptive=k is None,
         )
         # cheap drafters the domain allows are scored on every step, whichever one runs
-        shadow = [d for d in dp.drafters if d in self.engine.drafters and self.engine.drafters[d].cheap]
+        shadow = [d for d in dp.drafters if d in usable and self.engine.drafters[d].cheap]
         gen = (self.engine.start(prompt_ids, params, domain=domain) if batch is None
                else batch.add(prompt_ids, params, domain=domain))
         return RoutedGeneration(self, gen, policy, classification, plan, controller, shadow,

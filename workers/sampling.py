@@ -42,6 +42,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1: none
     # token id -> added to its logit; compared, not hashed (params stay usable as a key)
     logit_bias: Mapping[int, float] = field(default_factory=dict, hash=False)
+    # the output the request predicts (OpenAI's Predicted Outputs), as token ids: a source of drafts
+    # (workers/drafters/prediction.py), never of output
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:

@@ -14,6 +14,7 @@ from workers.config import (
     MedusaDrafterConfig,
     ModelDrafterConfig,
     NgramDrafterConfig,
+    PredictionDrafterConfig,
     SuffixDrafterConfig,
 )
 from workers.drafters.base import Drafter
@@ -23,6 +24,7 @@ from workers.drafters.lookahead import LookaheadDrafter
 from workers.drafters.medusa import MedusaDrafter, MedusaHeads
 from workers.drafters.model import ModelDrafter
 from workers.drafters.ngram import NgramDrafter
+from workers.drafters.prediction import PredictionDrafter
 from workers.drafters.remote import DraftService, RemoteDrafter
 from workers.drafters.suffix import SuffixDrafter
 from workers.models.base import CausalLM
@@ -121,6 +123,8 @@ def build_drafter(
         return LookaheadDrafter(config, traffic)
     if isinstance(config, NgramDrafterConfig):
         return NgramDrafter(config)
+    if isinstance(config, PredictionDrafterConfig):
+        return PredictionDrafter(config)
     if isinstance(config, SuffixDrafterConfig):
         return SuffixDrafter(config)
     if isinstance(config, ModelDrafterConfig):
