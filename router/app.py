@@ -520,7 +520,7 @@ class OpenAIIngress:
             ignore_eos=body.ignore_eos, drafter=spec.drafter, draft_len=spec.draft_len, domain=spec.domain,
             logprobs=body.num_logprobs, logit_bias=body.token_bias, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-            prediction=body.prediction.text if body.prediction is not None else None,
+            prediction=body.prediction.text if body.prediction is not None else None, echo=body.echoes,
         )
         seed = body.seed
         return [request if seed is None else replace(request, seed=seed + i) for i in range(body.n)]

@@ -6,7 +6,9 @@ how well it was accepted), `top_k` and `ignore_eos` (as in vLLM).
 vLLM's default), read off the rows that verified each token (workers/logprobs.py). Penalties and
 `logit_bias` apply to every verified row with its own history (workers/penalties.py). A
 `prediction` (OpenAI's Predicted Outputs) is drafted from, never emitted as is
-(workers/drafters/prediction.py); `usage.completion_tokens_details` counts its tokens.
+(workers/drafters/prediction.py); `usage.completion_tokens_details` counts its tokens. A
+completion's `echo` repeats the prompt ahead of it, with `logprobs` the prompt tokens' too (read
+off the prefill's rows; the first token has none): lm-evaluation-harness's loglikelihood requests.
 
 Every field OpenAI defines is accepted. Those that do not change what is generated (`user`,
 `metadata`, ...) are ignored; those this server does not implement (tools, response_format, ...)
@@ -37,7 +39,7 @@ MAX_CHOICES = 16  # `n`: a request's choices each take a slot of the worker's ba
 # -- requests --------------------------------------------------------------------------------
 # The values of OpenAI's unimplemented fields that ask for nothing (a client library may send them)
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False), "suffix": (None, ""),
+    "suffix": (None, ""),
     "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
@@ -171,6 +173,11 @@ class GenerationRequestBase(BaseModel):
         return None
 
     @property
+    def echoes(self) -> bool:
+        """Whether the response repeats the prompt ahead of the output (completions' `echo`)."""
+        return False
+
+    @property
     def token_bias(self) -> dict[int, float]:
         return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
 
@@ -179,7 +186,7 @@ class CompletionRequest(GenerationRequestBase):
     prompt: str = Field(description="the prompt, used as is (no chat template)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                  description="each token's logprob and this many likeliest at its position")
-    echo: bool | None = None
+    echo: bool | None = Field(None, description="the prompt ahead of the completion (with logprobs: its tokens' too)")
     suffix: str | None = None
     best_of: int | None = None
 
@@ -187,7 +194,11 @@ class CompletionRequest(GenerationRequestBase):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    @field_validator("echo", "suffix", "best_of")
+    @property
+    def echoes(self) -> bool:
+        return bool(self.echo)
+
+    @field_validator("suffix", "best_of")
     @classmethod
     def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
         return _no_op(value, info)
@@ -337,9 +348,9 @@ class CompletionLogprobs(BaseModel):
     """The legacy completions shape: parallel lists, one entry per token."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]  # the likeliest tokens and the chosen one
-    text_offset: list[int]  # where each token's text starts in the completion
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token, which nothing predicts
+    top_logprobs: list[dict[str, float] | None]  # the likeliest tokens and the chosen one
+    text_offset: list[int]  # where each token's text starts in the completion (echoed: in prompt + completion)
 
     @classmethod
     def of(cls, entries: list[TokenLogprobs], offset: int = 0) -> CompletionLogprobs:
@@ -350,7 +361,8 @@ class CompletionLogprobs(BaseModel):
         return cls(
             tokens=[e.chosen.token for e in entries],
             token_logprobs=[e.chosen.logprob for e in entries],
-            top_logprobs=[{t.token: t.logprob for t in (*e.top, e.chosen)} for e in entries],
+            top_logprobs=[None if e.chosen.logprob is None else {t.token: t.logprob for t in (*e.top, e.chosen)}
+                          for e in entries],
             text_offset=starts,
         )
 

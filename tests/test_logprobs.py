@@ -104,6 +104,51 @@ def test_logprobs_in_a_batch_are_each_requests_own(engine: SpecEngine) -> None:
         assert_logprobs_of_the_target(engine, gen.result())
 
 
+def assert_prompt_logprobs_of_the_target(engine: SpecEngine, result: GenerationResult, num_top: int = NUM_TOP) -> None:
+    """Each prompt token's logprob and its position's likeliest, as one forward over the prompt
+    gives them; the first token has none."""
+    ids = result.prompt_token_ids
+    assert result.prompt_logprobs is not None and len(result.prompt_logprobs) == len(ids)
+    first = result.prompt_logprobs[0]
+    assert first.chosen.token_id == ids[0] and first.chosen.logprob is None and first.top == ()
+    model = engine.target.model
+    expected = torch.log_softmax(model.forward(torch.tensor(ids), model.new_cache(len(ids))).logits, dim=-1)
+    for i, entry in enumerate(result.prompt_logprobs[1:]):  # row i scores token i + 1
+        assert entry.chosen.token_id == ids[i + 1]
+        assert entry.chosen.logprob == pytest.approx(expected[i, ids[i + 1]].item(), abs=1e-4)
+        top = torch.topk(expected[i], num_top)
+        assert [t.token_id for t in entry.top] == top.indices.tolist()
+
+
+LONG = " ".join(f"word{i}" for i in range(120))  # more prompt tokens than a batch step's budget
+
+
+@pytest.mark.parametrize("chunk", [512, 5], ids=["one-forward", "chunked"])
+def test_prompt_logprobs_are_the_targets(engine: SpecEngine, monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    monkeypatch.setattr("workers.engine.PROMPT_LOGPROBS_CHUNK", chunk)
+    params = SamplingParams(max_tokens=4, prompt_logprobs=NUM_TOP, logprobs=NUM_TOP)
+    result = engine.generate(engine.encode(TEXTS[0], chat=False), params, "ngram", 3)
+    assert_prompt_logprobs_of_the_target(engine, result)
+    assert_logprobs_of_the_target(engine, result)  # the output's are unchanged by scoring the prompt
+    one = engine.generate(engine.encode("x", chat=False), params)
+    assert [e.chosen.logprob for e in one.prompt_logprobs] == [None]  # nothing precedes a single token
+
+
+def test_prompt_logprobs_in_a_batch_over_chunked_prefill(engine: SpecEngine) -> None:
+    batch = BatchEngine(engine)
+    budget = engine.config.scheduler.max_num_batched_tokens
+    long, short = engine.encode(LONG, chat=False), engine.encode(TEXTS[1], chat=False)
+    assert len(long) > budget  # its prefill takes two steps, each chunk scored
+    scored = SamplingParams(max_tokens=6, prompt_logprobs=1)
+    gens = [batch.add(long, scored), batch.add(short, SamplingParams(max_tokens=6)), batch.add(short, scored)]
+    while batch.num_unfinished:
+        assert not batch.step({g: StepOrder("self", 2) for g in batch.schedule()}).failed
+    results = [g.result() for g in gens]
+    assert results[1].prompt_logprobs is None
+    for result in (results[0], results[2]):
+        assert_prompt_logprobs_of_the_target(engine, result, num_top=1)
+
+
 def test_no_logprobs_unless_asked(engine: SpecEngine) -> None:
     assert engine.generate(engine.encode(TEXTS[1]), SamplingParams(max_tokens=4)).logprobs is None
     with pytest.raises(ValueError, match="logprobs must be in"):

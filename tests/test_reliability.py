@@ -93,7 +93,7 @@ def _worker_status() -> dict:
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"²": 1}}, "logit_bias"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"42": 101}}, "logit_bias"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"999999": 1}}, "logit_bias"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "bye"}, "suffix"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": "ten"}, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": -3}, "max_tokens"),

@@ -173,6 +173,34 @@ def test_completion_logprobs(base_url: str) -> None:
     assert [x for p in parts for x in p["token_logprobs"]] == lp["token_logprobs"]
 
 
+def test_echo_scores_the_prompt(base_url: str, client) -> None:
+    """`echo`: the prompt ahead of the completion, with `logprobs` each prompt token's (the first
+    none), as lm-evaluation-harness's loglikelihood requests send them; streamed alike."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    common = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    plain = requests.post(f"{base_url}/v1/completions", json=common, timeout=60).json()
+    echoed = requests.post(f"{base_url}/v1/completions", json={**common, "echo": True}, timeout=60).json()
+    assert echoed["choices"][0]["text"] == prompt + plain["choices"][0]["text"]
+    assert echoed["choices"][0]["logprobs"] is None and echoed["usage"] == plain["usage"]
+
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    lp, n = scored.choices[0].logprobs, scored.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 1
+    assert "".join(lp.tokens) == scored.choices[0].text and scored.choices[0].text.startswith(prompt)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(t) in (1, 2) for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(n + 1)]
+
+    body = {**common, "max_tokens": 4, "logprobs": 2, "echo": True, "speculation": {"drafter": "self", "draft_len": 2}}
+    whole = requests.post(f"{base_url}/v1/completions", json=body, timeout=60).json()
+    with requests.post(f"{base_url}/v1/completions", json={**body, "stream": True}, stream=True, timeout=60) as r:
+        events = [e for e in _sse(r) if e != "[DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in events) == whole["choices"][0]["text"]
+    parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    assert [x for p in parts for x in p["token_logprobs"]] == whole["choices"][0]["logprobs"]["token_logprobs"]
+    assert [x for p in parts for x in p["text_offset"]] == whole["choices"][0]["logprobs"]["text_offset"]
+
+
 def test_logit_bias_and_penalties(base_url: str, tiny_llama_dir: Path) -> None:
     """A bias of 100 outweighs every logit and penalty: the biased token, every time, drafted or not."""
     from transformers import AutoTokenizer

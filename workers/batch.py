@@ -128,7 +128,7 @@ class BatchEngine:
                 ids = gen.prefill_input(budget)
                 budget -= ids.shape[0]
                 chunks.append((gen, ids.shape[0]))
-                inputs.append(SeqInput(ids, gen.cache, "none"))
+                inputs.append(SeqInput(ids, gen.cache, "none" if gen.prompt_logprobs is None else "all"))
         if not inputs:
             return out
         t0 = time.perf_counter()

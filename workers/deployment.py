@@ -63,6 +63,8 @@ class GenerateRequest:
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     prediction: str | None = None  # the output the client expects (OpenAI's Predicted Outputs): drafted from
+    # the first chunk starts with the prompt (a raw text) and, with logprobs, its tokens' logprobs
+    echo: bool = False
 
     @property
     def prompt_param(self) -> str:
@@ -90,7 +92,8 @@ class Chunk:
     # a request refused before its first token comes back as the only chunk, not as a raised
     # exception: a client's mistake is not a replica error for Ray to log with a traceback
     error: RequestError | None = None
-    logprobs: list[TokenLogprobs] | None = None  # token_ids' logprobs, when the request asked
+    # token_ids' logprobs, when the request asked (an echoed request's first chunk: the prompt's first)
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def result(self) -> GenerationResult:
@@ -117,6 +120,7 @@ class _Slot:
     gen: RoutedGeneration | None = None
     num_sent_ids: int = 0
     sent_text: str = ""
+    echoed: bool = False  # the prompt went out (GenerateRequest.echo)
     abandoned: bool = False  # set by the consumer when it stops reading (finished or cancelled)
 
 
@@ -346,6 +350,7 @@ class TargetWorker:
             params = self._sampling_mod.SamplingParams(
                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed, stop=r.stop,
                 ignore_eos=r.ignore_eos, logprobs=r.logprobs, logit_bias=r.logit_bias, prediction=prediction,
+                prompt_logprobs=r.logprobs if r.echo else None,
                 **{name: value for name, value in defaulted.items() if value is not None},
             )
         except ValueError as e:  # the ingress checks the same ranges; its message starts with the field
@@ -384,18 +389,25 @@ class TargetWorker:
         new_ids = output_ids[slot.num_sent_ids :]
         logprobs = gen.logprobs[slot.num_sent_ids :] if gen.logprobs is not None else None
         slot.num_sent_ids = len(output_ids)
+        head = ""  # the echoed prompt, ahead of the first chunk's text (and its logprobs ahead of the output's)
+        if slot.request.echo and not slot.echoed:
+            slot.echoed = True
+            head = slot.request.prompt if isinstance(slot.request.prompt, str) else ""
+            if logprobs is not None:
+                logprobs = [*(gen.prompt_logprobs or []), *logprobs]
         if not gen.finished:
             text = self.engine.tokenizer.decode(output_ids, skip_special_tokens=True)
             delta = _safe_delta(text, slot.sent_text, gen.params.stop)
             slot.sent_text += delta
-            return Chunk(new_ids, delta, logprobs=logprobs)
+            return Chunk(new_ids, head + delta, logprobs=logprobs)
         result = routed.result()
         routed.close()
         if not result.text.startswith(slot.sent_text):  # cannot happen with prefix-stable decoding
             log.warning("streamed text is not a prefix of the final text")
         delta = result.text[len(slot.sent_text) :]
         # the chunks carry the logprobs; the stats need not carry them again
-        return Chunk(new_ids, delta, result.finish_reason, replace(result, steps=[], logprobs=None), logprobs=logprobs)
+        stats = replace(result, steps=[], logprobs=None, prompt_logprobs=None)
+        return Chunk(new_ids, head + delta, result.finish_reason, stats, logprobs=logprobs)
 
     def _drop(self, slot: _Slot) -> None:
         """Take a request out of the batch (cancelled, or failed) and close it."""

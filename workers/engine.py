@@ -47,6 +47,8 @@ from workers.verify import VerifyResult, verify_greedy, verify_sampled, verify_t
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+PROMPT_LOGPROBS_CHUNK = 512  # prompt rows a scored prefill runs at once (their logits: 100 MB in float32)
+
 
 @dataclass(frozen=True)
 class StepOrder:
@@ -114,6 +116,10 @@ class Generation:
         self.steps: list[StepStats] = []
         # each output token's logprobs, when the request asks (workers/logprobs.py)
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        # each prompt token's, when the request asks: the first has none, the prefill's rows give the rest
+        self.prompt_logprobs: list[TokenLogprobs] | None = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [TokenLogprobs(engine.token_text.logprob(prompt_ids[0], None), ())]
         self._prompt_tokens: torch.Tensor | None = None  # the prompt's distinct tokens, for a repetition penalty
         self._drafter_states: dict[str, Any] = {}
         self._broken: set[str] = set()
@@ -288,6 +294,7 @@ class Generation:
         """The chunk of `prefill_input` ran: its features are kept for the drafters that read them."""
         if out.hidden is not None:
             self.ctx.features[self.num_prefilled : self.num_prefilled + num_tokens] = out.hidden
+        self._score_prompt(self.num_prefilled, out)
         self.num_prefilled += num_tokens
         self.prefill_s += forward_s
 
@@ -337,6 +344,7 @@ class Generation:
             ttft_s=self.ttft_s if self.ttft_s is not None else time.perf_counter() - self.started_at,
             steps=self.steps,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
             prediction=self._prediction_tokens() if self.params.prediction else None,
         )
 
@@ -349,15 +357,26 @@ class Generation:
     def _prefill(self) -> None:
         t0 = time.perf_counter()
         prompt = torch.tensor(self.ctx.token_ids[:-1], dtype=torch.long, device=self.device)
-        if prompt.numel():
-            out = self.model.forward(prompt, self.cache, last_only=True, return_hidden=self.with_hidden)
+        # scored prompts keep every row's logits: in chunks, so they never hold [prompt, vocab] at once
+        chunk = PROMPT_LOGPROBS_CHUNK if self.prompt_logprobs is not None else max(1, prompt.numel())
+        for a in range(0, prompt.numel(), chunk):
+            out = self.model.forward(prompt[a : a + chunk], self.cache, last_only=self.prompt_logprobs is None,
+                                     return_hidden=self.with_hidden)
+            self._score_prompt(a, out)
             if out.hidden is not None:
-                self.ctx.features[: prompt.numel()] = out.hidden
+                self.ctx.features[a : a + out.hidden.shape[0]] = out.hidden
         # the last prompt token goes through the ordinary step path: identical numerics to
         # every later step, and the first generated token comes out of `step` like all others
         self.num_prefilled = prompt.numel()
         synchronize(self.device)
         self.prefill_s = time.perf_counter() - t0
+
+    def _score_prompt(self, start: int, out: ForwardOutput) -> None:
+        """The prompt logprobs of a prefill chunk from `start`: row i scores prompt token start + i + 1."""
+        if self.prompt_logprobs is not None:
+            n = out.logits.shape[0]
+            self.prompt_logprobs += token_logprobs(out.logits, self.ctx.token_ids[start + 1 : start + 1 + n],
+                                                   self.params.prompt_logprobs or 0, self.engine.token_text)
 
     def _last_token(self) -> torch.Tensor:
         return torch.tensor(self.ctx.token_ids[-1:], dtype=torch.long, device=self.device)

@@ -4,7 +4,9 @@ A token's log-probability is read off the target's raw distribution at its posit
 of the logits, before penalties, temperature, top-k and top-p), as vLLM reports by default, from
 the row that verified it: plain or speculative, the numbers come from the same forward rows, and on
 a row-invariant target (int4, bfloat16 weights) they are bit for bit those of plain decoding.
-Computed only for requests that ask (`SamplingParams.logprobs`).
+Computed only for requests that ask (`SamplingParams.logprobs`). A prompt's tokens are scored by
+the prefill's rows (`SamplingParams.prompt_logprobs`, what `echo` with `logprobs` reports, as
+lm-evaluation-harness's loglikelihood requests read them); its first token has no logprob.
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ class TokenText:
             self._known[token_id] = known
         return known
 
-    def logprob(self, token_id: int, value: float) -> Logprob:
+    def logprob(self, token_id: int, value: float | None) -> Logprob:
         text, raw = self.of(token_id)
-        return Logprob(token_id=token_id, token=text, bytes=raw, logprob=max(value, MIN_LOGPROB))
+        logprob = None if value is None else max(value, MIN_LOGPROB)
+        return Logprob(token_id=token_id, token=text, bytes=raw, logprob=logprob)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int, text: TokenText) -> list[TokenLogprobs]:

@@ -52,7 +52,7 @@ class Logprob:
     token_id: int
     token: str  # its text alone (U+FFFD where it holds part of a character)
     bytes: tuple[int, ...]  # its UTF-8 bytes
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which no position predicts
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,8 @@ class GenerationResult:
     steps: list[StepStats] = field(repr=False, default_factory=list)  # empty on the wire
     routing: RoutingReport | None = None  # how the router ran it (None: a bare engine request)
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when the request asked
+    # one per prompt token (the first without a logprob), when the request asked (`prompt_logprobs`)
+    prompt_logprobs: list[TokenLogprobs] | None = None
     prediction: PredictionTokens | None = None  # when the request predicted its output
 
     @property

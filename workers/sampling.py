@@ -36,6 +36,7 @@ class SamplingParams:
     ignore_eos: bool = False
     extra_stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     logprobs: int | None = None  # None: none; n: each token's logprob and its position's n likeliest
+    prompt_logprobs: int | None = None  # the same for each prompt token (the prefill keeps every row's logits)
     # workers/penalties.py: OpenAI's and vLLM's, applied to every verified row
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -59,8 +60,9 @@ class SamplingParams:
             raise ValueError(f"stop allows at most {MAX_STOP_SEQUENCES} strings, got {len(self.stop)}")
         if (longest := max(map(len, self.stop), default=0)) > MAX_STOP_CHARS:
             raise ValueError(f"stop strings have at most {MAX_STOP_CHARS} characters, got one of {longest}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(self, name)) is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
