@@ -14,7 +14,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -306,9 +306,22 @@ def _speculation_info(result: GenerationResult) -> SpeculationInfo:
     )
 
 
-def _usage(results: list[GenerationResult]) -> Usage:
-    """A request's usage: its prompt once, every choice's completion."""
-    prompt, completion = results[0].num_prompt_tokens, sum(r.num_completion_tokens for r in results)
+# one prompt of a request: a completion's text or token ids, or a chat's messages
+Prompt = str | list[int] | list[dict[str, str]]
+
+
+def _prompt_fields(prompt: Prompt) -> dict[str, Any]:
+    """The GenerateRequest fields that carry `prompt`."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return {"prompt_token_ids": tuple(prompt)}
+    return {"prompt": prompt}
+
+
+def _usage(results: list[GenerationResult], n: int) -> Usage:
+    """A request's usage from its choices' results in index order (`n` per prompt): each prompt once,
+    every choice's completion."""
+    prompt = sum(r.num_prompt_tokens for r in results[::n])
+    completion = sum(r.num_completion_tokens for r in results)
     predicted = [r.prediction for r in results if r.prediction is not None]
     details = CompletionTokensDetails(
         accepted_prediction_tokens=sum(p.accepted for p in predicted),
@@ -316,6 +329,16 @@ def _usage(results: list[GenerationResult]) -> Usage:
     ) if predicted else None
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  completion_tokens_details=details)
+
+
+def _cancel(gens: Sequence[DeploymentResponseGenerator]) -> None:
+    """Cancel every choice's stream; one the worker refused (back pressure) raises its error again
+    when cancelled, which must not replace the error being answered."""
+    for gen in gens:
+        try:
+            gen.cancel()
+        except Exception:
+            pass
 
 
 async def _interleaved(
@@ -384,7 +407,8 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest) -> CompletionResponse | StreamingResponse:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        offsets = [0] * body.n  # where each choice's next token text starts (a stream's chunks go on)
+        prompts = body.prompts
+        offsets = [0] * (len(prompts) * body.n)  # where each choice's next token text starts (a stream's chunks go on)
 
         def logprobs_of(index: int, entries: list[TokenLogprobs] | None) -> CompletionLogprobs | None:
             if entries is None:
@@ -401,13 +425,13 @@ class OpenAIIngress:
                                    choices=[choice], speculation=spec)
 
         if body.stream:
-            return await self._stream(body, body.prompt, chunk, None)
-        outs = await self._generate(body, body.prompt)
+            return await self._stream(body, prompts, chunk, None)
+        outs = await self._generate(body, prompts)
         return CompletionResponse(
             id=request_id, created=created, model=self.model_name,
             choices=[CompletionChoice(index=i, text=out.text, finish_reason=out.finish_reason,
                                       logprobs=logprobs_of(i, out.logprobs)) for i, out in enumerate(outs)],
-            usage=_usage([out.result for out in outs]), speculation=_speculation_info(outs[0].result),
+            usage=_usage([out.result for out in outs], body.n), speculation=_speculation_info(outs[0].result),
         )
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -426,14 +450,14 @@ class OpenAIIngress:
                                        choices=[choice], speculation=spec)
 
         if body.stream:
-            return await self._stream(body, messages, chunk, lambda index: chunk(index, "", role="assistant"))
-        outs = await self._generate(body, messages)
+            return await self._stream(body, [messages], chunk, lambda index: chunk(index, "", role="assistant"))
+        outs = await self._generate(body, [messages])
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name,
             choices=[ChatChoice(index=i, message=AssistantMessage(content=out.text), finish_reason=out.finish_reason,
                                 logprobs=None if out.logprobs is None else ChatLogprobs.of(out.logprobs))
                      for i, out in enumerate(outs)],
-            usage=_usage([out.result for out in outs]), speculation=_speculation_info(outs[0].result),
+            usage=_usage([out.result for out in outs], body.n), speculation=_speculation_info(outs[0].result),
         )
 
     # -- observability and control (docs/deploy.md, "Observability") ---------------------------
@@ -501,10 +525,9 @@ class OpenAIIngress:
                 raise APIError(503, f"no worker replica answered max_model_len: {e!r}", type="internal_error") from None
         return self._context_limit
 
-    async def _requests(
-        self, body: GenerationRequestBase, prompt: str | list[dict[str, str]],
-    ) -> list[GenerateRequest]:
-        """One request per choice (`n`); a seed gives choice i seed + i, so choices differ yet repeat."""
+    async def _requests(self, body: GenerationRequestBase, prompts: Sequence[Prompt]) -> list[GenerateRequest]:
+        """One request per choice, `n` per prompt, prompt by prompt; a seed gives each prompt's choice i
+        seed + i, so choices differ yet repeat."""
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                                 f"'{self.model_name}'", "model", "model_not_found")
@@ -515,7 +538,7 @@ class OpenAIIngress:
                                 f"context length of {max_len} tokens", field, "context_length_exceeded")
         spec = body.speculation
         request = GenerateRequest(
-            prompt=prompt, max_tokens=body.num_max_tokens, temperature=body.temperature,
+            prompt="", max_tokens=body.num_max_tokens, temperature=body.temperature,
             top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed, stop=tuple(body.stop),
             ignore_eos=body.ignore_eos, drafter=spec.drafter, draft_len=spec.draft_len, domain=spec.domain,
             logprobs=body.num_logprobs, logit_bias=body.token_bias, presence_penalty=body.presence_penalty,
@@ -523,11 +546,12 @@ class OpenAIIngress:
             prediction=body.prediction.text if body.prediction is not None else None, echo=body.echoes,
         )
         seed = body.seed
-        return [request if seed is None else replace(request, seed=seed + i) for i in range(body.n)]
+        return [replace(request, **_prompt_fields(prompt), **({} if seed is None else {"seed": seed + i}))
+                for prompt in prompts for i in range(body.n)]
 
-    async def _generate(self, body: GenerationRequestBase, prompt: str | list[dict[str, str]]) -> list[Chunk]:
+    async def _generate(self, body: GenerationRequestBase, prompts: Sequence[Prompt]) -> list[Chunk]:
         """Every choice's whole output, generated side by side."""
-        tasks = [asyncio.ensure_future(self._generate_one(r)) for r in await self._requests(body, prompt)]
+        tasks = [asyncio.ensure_future(self._generate_one(r)) for r in await self._requests(body, prompts)]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -545,26 +569,25 @@ class OpenAIIngress:
         return chunk
 
     async def _stream(
-        self, body: GenerationRequestBase, prompt: str | list[dict[str, str]],
+        self, body: GenerationRequestBase, prompts: Sequence[Prompt],
         make_chunk: Callable[..., BaseModel], first: Callable[[int], BaseModel] | None,
     ) -> StreamingResponse:
         """`make_chunk(index, text, ...)`: a choice's SSE chunk; `first(index)`: what each choice opens with."""
         gens: list[DeploymentResponseGenerator] = [
-            self.worker.options(stream=True).stream.remote(r) for r in await self._requests(body, prompt)]
+            self.worker.options(stream=True).stream.remote(r) for r in await self._requests(body, prompts)]
         try:  # every choice's first chunk before the response starts: a bad request is still a 400
             heads: list[Chunk] = [await gen.__anext__() for gen in gens]
             if (error := next((h.error for h in heads if h.error is not None), None)) is not None:
                 raise error
         except Exception as e:
-            for gen in gens:
-                gen.cancel()
+            _cancel(gens)
             raise _as_api_error(e) from None
-        return StreamingResponse(self._events(gens, heads, make_chunk, first, body.include_usage),
+        return StreamingResponse(self._events(gens, heads, make_chunk, first, body.include_usage, body.n),
                                  media_type="text/event-stream")
 
     async def _events(
         self, gens: list[DeploymentResponseGenerator], heads: list[Chunk], make_chunk: Callable[..., BaseModel],
-        first: Callable[[int], BaseModel] | None, include_usage: bool,
+        first: Callable[[int], BaseModel] | None, include_usage: bool, n: int,
     ) -> AsyncIterator[str]:
         drop = ("speculation",) if include_usage else ("speculation", "usage")
         done = False
@@ -572,16 +595,17 @@ class OpenAIIngress:
             if first is not None:
                 for index in range(len(gens)):
                     yield _sse(first(index), drop)
-            finished: list[GenerationResult] = []
+            finished: dict[int, GenerationResult] = {}
             async for index, chunk in _interleaved(gens, heads):
                 if chunk.finish_reason is not None:
-                    finished.append(chunk.result)
+                    finished[index] = chunk.result
                     yield _sse(make_chunk(index, chunk.text, chunk.finish_reason, _speculation_info(chunk.result),
                                           logprobs=chunk.logprobs), drop)
                 elif chunk.text or chunk.logprobs:  # a token's logprobs go out before its text may
                     yield _sse(make_chunk(index, chunk.text, logprobs=chunk.logprobs), drop)
             if include_usage:
-                last = make_chunk(0, "").model_copy(update={"choices": [], "usage": _usage(finished)})
+                usage = _usage([finished[i] for i in sorted(finished)], n)
+                last = make_chunk(0, "").model_copy(update={"choices": [], "usage": usage})
                 yield _sse(last, drop)
             done = True
         except _CANCELLED:  # the client went away: nobody to report to
@@ -590,6 +614,5 @@ class OpenAIIngress:
             yield _sse(_as_api_error(e).body)
         finally:
             if not done:
-                for gen in gens:
-                    gen.cancel()  # a client that went away frees its slots on the worker
+                _cancel(gens)  # a client that went away frees its slots on the worker
         yield "data: [DONE]\n\n"

@@ -34,6 +34,7 @@ from workers.result import Logprob, TokenLogprobs
 
 AUTO = "auto"
 MAX_CHOICES = 16  # `n`: a request's choices each take a slot of the worker's batch
+MAX_SEQUENCES = 64  # a completion's prompts times `n`: each its own request in the worker's batch
 
 
 # -- requests --------------------------------------------------------------------------------
@@ -183,7 +184,9 @@ class GenerationRequestBase(BaseModel):
 
 
 class CompletionRequest(GenerationRequestBase):
-    prompt: str = Field(description="the prompt, used as is (no chat template)")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="the prompt, used as is (no chat template): a text, token ids, or a list of either "
+                    "(each prompt gets `n` choices, indexed prompt by prompt)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                  description="each token's logprob and this many likeliest at its position")
     echo: bool | None = Field(None, description="the prompt ahead of the completion (with logprobs: its tokens' too)")
@@ -206,11 +209,29 @@ class CompletionRequest(GenerationRequestBase):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-            return value[0]
         if isinstance(value, list):
-            raise ValueError("only a single string prompt is supported")
+            if not value:
+                raise ValueError("an empty list holds no prompt")
+            ids = [t for p in value if isinstance(p, list) for t in p]  # a list of token id lists
+            ids += [t for t in value if not isinstance(t, (str, list))]  # one token id list
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+                raise ValueError("token ids are integers >= 0")
         return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_count(cls, value: Any, info: ValidationInfo) -> Any:
+        n = info.data.get("n") or 1
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)) and len(value) * n > MAX_SEQUENCES:
+            raise ValueError(f"{len(value)} prompts of n = {n} choices each: at most {MAX_SEQUENCES} in all")
+        return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text or token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class ChatMessage(BaseModel):

@@ -110,7 +110,11 @@ def _worker_status() -> dict:
     ("/v1/chat/completions", {**CHAT, "speculation": {"draft_len": 99}}, "speculation.draft_len"),
     ("/v1/chat/completions", {**CHAT, "speculation": {"k": 3}}, "speculation.k"),
     ("/v1/chat/completions", {**CHAT, "messages": "hello"}, "messages"),
-    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", [1]]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[1, -2]]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 33, "n": 2}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "lorem ipsum " * 600}, "prompt"),
 ])
 def test_bad_input_is_4xx_naming_the_field(base_url: str, path: str, body: dict, param: str | None) -> None:
@@ -251,6 +255,17 @@ def test_fuzzed_requests_never_get_a_5xx(base_url: str, mode: str) -> None:
 
 
 # -- load: a bounded queue ---------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_more_choices_than_capacity_is_429_streamed_or_not(base_url: str, stream: bool) -> None:
+    """Three choices against one running and one queued slot: the third is refused, and so the
+    request, with 429 (a refused stream's cancel raises the refusal again: not a 503)."""
+    body = {"model": MODEL, "prompt": "hi", "n": 3, "max_tokens": 4, "stream": stream}
+    r = _post(base_url, "/v1/completions", body)
+    _assert_openai_error(r, 429)
+    assert r.headers["retry-after"]
+    assert _post(base_url, "/v1/completions", {**body, "n": 1}).status_code == 200
+
+
 def test_beyond_capacity_is_429_with_retry_after_and_nothing_is_lost(base_url: str) -> None:
     """One request runs, one waits; the rest are refused at once with 429 + Retry-After. Every
     request admitted completes."""

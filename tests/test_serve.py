@@ -173,6 +173,32 @@ def test_completion_logprobs(base_url: str) -> None:
     assert [x for p in parts for x in p["token_logprobs"]] == lp["token_logprobs"]
 
 
+def test_completion_prompts_as_token_ids_and_several_at_once(base_url: str, client, tiny_llama_dir: Path) -> None:
+    """A prompt's token ids give the text's output; several prompts get `n` choices each, indexed
+    prompt by prompt, each prompt counted once in usage; streamed alike."""
+    from transformers import AutoTokenizer
+
+    texts = ["Once upon a time", "The weather today is"]
+    ids = [AutoTokenizer.from_pretrained(tiny_llama_dir).encode(t) for t in texts]
+    common = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    singles = [client.completions.create(prompt=t, **common) for t in texts]
+    assert client.completions.create(prompt=ids[0], **common).choices[0].text == singles[0].choices[0].text
+    echoed = client.completions.create(prompt=ids[1], echo=True, **common)
+    assert echoed.choices[0].text == texts[1] + singles[1].choices[0].text
+
+    for prompts in (texts, ids):
+        out = client.completions.create(prompt=prompts, n=2, **common)
+        assert [c.index for c in out.choices] == [0, 1, 2, 3]
+        assert [c.text for c in out.choices] == [s.choices[0].text for s in singles for _ in range(2)]
+        assert out.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+        assert out.usage.completion_tokens == 2 * sum(s.usage.completion_tokens for s in singles)
+        chunks = list(client.completions.create(prompt=prompts, n=2, stream=True,
+                                                stream_options={"include_usage": True}, **common))
+        streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+                    for i in range(4)]
+        assert streamed == [c.text for c in out.choices] and chunks[-1].usage == out.usage
+
+
 def test_echo_scores_the_prompt(base_url: str, client) -> None:
     """`echo`: the prompt ahead of the completion, with `logprobs` each prompt token's (the first
     none), as lm-evaluation-harness's loglikelihood requests send them; streamed alike."""

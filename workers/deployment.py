@@ -46,6 +46,7 @@ class GenerateRequest:
     """One request as the ingress hands it over: prompt, sampling, and the speculation plan."""
 
     prompt: str | list[dict[str, str]]  # raw text (no chat template) or chat messages
+    prompt_token_ids: tuple[int, ...] | None = None  # a prompt given as token ids (then `prompt` is unused)
     max_tokens: int | None = None  # None: SamplingParams' default
     temperature: float = 0.0
     top_p: float = 1.0
@@ -121,6 +122,7 @@ class _Slot:
     num_sent_ids: int = 0
     sent_text: str = ""
     echoed: bool = False  # the prompt went out (GenerateRequest.echo)
+    prompt_text: str = ""  # a raw prompt's text (decoded where it came as token ids): what echo repeats
     abandoned: bool = False  # set by the consumer when it stops reading (finished or cancelled)
 
 
@@ -336,10 +338,17 @@ class TargetWorker:
     # -- on the engine thread -----------------------------------------------------------------
     def _admit(self, slot: _Slot) -> None:
         r, engine = slot.request, self.engine
-        try:
-            prompt_ids = engine.encode(r.prompt, chat=isinstance(r.prompt, list))
-        except Exception as e:  # e.g. a chat template that refuses the roles given
-            raise RequestError(f"cannot tokenize the prompt: {e}", r.prompt_param) from None
+        text = r.text
+        if r.prompt_token_ids is not None:
+            prompt_ids = list(r.prompt_token_ids)
+            engine.check_token_ids(prompt_ids, "prompt")
+            text = slot.prompt_text = engine.tokenizer.decode(prompt_ids)
+        else:
+            try:
+                prompt_ids = engine.encode(r.prompt, chat=isinstance(r.prompt, list))
+            except Exception as e:  # e.g. a chat template that refuses the roles given
+                raise RequestError(f"cannot tokenize the prompt: {e}", r.prompt_param) from None
+            slot.prompt_text = r.prompt if isinstance(r.prompt, str) else ""
         try:
             prediction = tuple(engine.encode_text(r.prediction)) if r.prediction else ()
         except Exception as e:
@@ -357,7 +366,7 @@ class TargetWorker:
             raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
         speculation = self._routing_mod.Speculation(r.drafter, r.draft_len, r.domain)
         try:
-            slot.gen = self.batch.add(prompt_ids, params, r.text, speculation)
+            slot.gen = self.batch.add(prompt_ids, params, text, speculation)
         except RequestError as e:  # the engine names its own arguments; the client sent these fields
             param = {"prompt": r.prompt_param, "drafter": "speculation.drafter"}.get(e.param, e.param)
             raise RequestError(e.message, param, e.code) from None
@@ -392,7 +401,7 @@ class TargetWorker:
         head = ""  # the echoed prompt, ahead of the first chunk's text (and its logprobs ahead of the output's)
         if slot.request.echo and not slot.echoed:
             slot.echoed = True
-            head = slot.request.prompt if isinstance(slot.request.prompt, str) else ""
+            head = slot.prompt_text
             if logprobs is not None:
                 logprobs = [*(gen.prompt_logprobs or []), *logprobs]
         if not gen.finished:

@@ -17,7 +17,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -515,6 +515,13 @@ class SpecEngine:
     def default_draft_len(self, drafter: str) -> int:
         return 0 if drafter == PLAIN else getattr(self.drafters[drafter].config, "draft_len", 0)
 
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        """Refuse token ids outside the vocabulary, naming the request field that carried them."""
+        vocab_size = self.target.model.info.vocab_size
+        if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise RequestError(f"{param}: token id {bad} is not in the vocabulary of {vocab_size} tokens", param)
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams, drafter: str = PLAIN) -> None:
         if not prompt_ids:
             raise RequestError("prompt is empty", "prompt")
@@ -524,12 +531,12 @@ class SpecEngine:
         if params.logit_bias and (token := max(params.logit_bias)) >= self.target.model.info.vocab_size:
             raise RequestError(f"logit_bias: token id {token} is not in the vocabulary of "
                                f"{self.target.model.info.vocab_size} tokens", "logit_bias")
+        self.check_token_ids(prompt_ids, "prompt")
         if params.prediction:
             if len(params.prediction) > self.max_model_len:
                 raise RequestError(f"prediction: {len(params.prediction)} tokens, more than this model's maximum "
                                    f"context length of {self.max_model_len}", "prediction")
-            if not 0 <= min(params.prediction) <= max(params.prediction) < self.target.model.info.vocab_size:
-                raise RequestError("prediction: a token id outside the vocabulary", "prediction")
+            self.check_token_ids(params.prediction, "prediction")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
