@@ -291,7 +291,8 @@ class Generation:
                             dtype=torch.long, device=self.device)
 
     def complete_prefill(self, num_tokens: int, out: ForwardOutput, forward_s: float) -> None:
-        """The chunk of `prefill_input` ran: its features are kept for the drafters that read them."""
+        """The chunk of `prefill_input` ran: its features are kept for the drafters that read them,
+        its rows' logprobs for a request that scores its prompt."""
         if out.hidden is not None:
             self.ctx.features[self.num_prefilled : self.num_prefilled + num_tokens] = out.hidden
         self._score_prompt(self.num_prefilled, out)
