@@ -103,6 +103,20 @@ def test_fast_llama_matches_transformers_on_real_target(real_pair) -> None:
     compare_backends(fast, hf, token_ids(tokenizer, TEXT))
 
 
+def test_prompt_scores_are_transformers_on_real_target(real_engine, real_pair) -> None:
+    """An echoed prompt's logprobs (what lm-evaluation-harness reads) on the shipped float32
+    target: transformers' log-softmax at every prompt position."""
+    from workers.sampling import SamplingParams
+
+    _, hf, tokenizer = real_pair
+    ids = token_ids(tokenizer, TEXT)
+    result = real_engine.generate(ids.tolist(), SamplingParams(max_tokens=1, prompt_logprobs=0))
+    ours = torch.tensor([e.chosen.logprob for e in result.prompt_logprobs[1:]])
+    reference = torch.log_softmax(hf.forward(ids, hf.new_cache(len(ids))).logits, dim=-1)
+    expected = reference[torch.arange(len(ids) - 1), ids[1:]]
+    assert (ours - expected).abs().max().item() <= 1e-4
+
+
 def test_forward_without_hidden_returns_none(tiny_pair) -> None:
     fast, hf, tokenizer = tiny_pair
     ids = token_ids(tokenizer, "hello world")
