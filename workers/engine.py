@@ -529,9 +529,7 @@ class SpecEngine:
         if drafter != PLAIN and drafter not in self.drafters:
             known = ", ".join([PLAIN, *self.drafters]) or PLAIN
             raise RequestError(f"unknown drafter {drafter!r}; configured: {known}", "drafter")
-        if params.logit_bias and (token := max(params.logit_bias)) >= self.target.model.info.vocab_size:
-            raise RequestError(f"logit_bias: token id {token} is not in the vocabulary of "
-                               f"{self.target.model.info.vocab_size} tokens", "logit_bias")
+        self.check_token_ids(list(params.logit_bias), "logit_bias")
         self.check_token_ids(prompt_ids, "prompt")
         if params.prediction:
             if len(params.prediction) > self.max_model_len:
