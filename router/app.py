@@ -544,6 +544,7 @@ class OpenAIIngress:
             logprobs=body.num_logprobs, logit_bias=body.token_bias, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
             prediction=body.prediction.text if body.prediction is not None else None, echo=body.echoes,
+            output_format=body.output_format,
         )
         seed = body.seed
         return [replace(request, **_prompt_fields(prompt), **({} if seed is None else {"seed": seed + i}))

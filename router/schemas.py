@@ -9,18 +9,22 @@ vLLM's default), read off the rows that verified each token (workers/logprobs.py
 (workers/drafters/prediction.py); `usage.completion_tokens_details` counts its tokens. A
 completion's `echo` repeats the prompt ahead of it, with `logprobs` the prompt tokens' too (read
 off the prefill's rows; the first token has none): lm-evaluation-harness's loglikelihood requests.
+`response_format` (OpenAI's `json_object` / `json_schema`, on both endpoints) and vLLM's
+`structured_outputs` (`json`, `regex`, `choice`, `grammar`) hold the output to a format: every
+verified row is masked by the grammar (workers/structured.py), so speculation stays lossless.
 
 Every field OpenAI defines is accepted. Those that do not change what is generated (`user`,
-`metadata`, ...) are ignored; those this server does not implement (tools, response_format, ...)
+`metadata`, ...) are ignored; those this server does not implement (tools, audio, ...)
 are accepted at their no-op value and refused otherwise, naming the field, rather than silently
 answered without them. A field OpenAI does not define is refused: a typo must not pass unnoticed.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
 from workers.config import (
     MAX_LOGIT_BIAS,
@@ -31,6 +35,7 @@ from workers.config import (
     MAX_STOP_SEQUENCES,
 )
 from workers.result import Logprob, TokenLogprobs
+from workers.structured import OutputFormat, format_error
 
 AUTO = "auto"
 MAX_CHOICES = 16  # `n`: a request's choices each take a slot of the worker's batch
@@ -42,7 +47,7 @@ MAX_SEQUENCES = 64  # a completion's prompts times `n`: each its own request in 
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
-    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "function_call": (None, "none", "auto"),
     "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
 }
 
@@ -94,6 +99,80 @@ class Prediction(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="null: any JSON object")
+    strict: bool | None = Field(None, description="the output always matches the schema here, strict or not")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is given with type "json_schema", and only then')
+        return self
+
+    @property
+    def output_format(self) -> OutputFormat | None:
+        if self.type == "text":
+            return None
+        return OutputFormat.json_schema(self.json_schema.schema_ if self.json_schema is not None else None)
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, choices, a Lark grammar."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema (object or text)")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, description="a Lark grammar (llguidance's dialect)")
+    json_object: bool | None = Field(None, description="true: any JSON object")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [name for name in ("json_", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object (got {len(given)})")
+        return self
+
+    @property
+    def output_format(self) -> OutputFormat:
+        if self.json_ is not None:
+            schema = json.loads(self.json_) if isinstance(self.json_, str) else self.json_
+            return OutputFormat.json_schema(schema)
+        if self.regex is not None:
+            return OutputFormat("regex", self.regex)
+        if self.choice is not None:
+            return OutputFormat.choice(self.choice)
+        if self.grammar is not None:
+            return OutputFormat("grammar", self.grammar)
+        return OutputFormat.json_schema()
+
+
+def _checked_format(value: ResponseFormat | StructuredOutputs | None) -> Any:
+    """A format that compiles (its schema, regex or grammar is checked here, at the ingress)."""
+    try:
+        fmt = value.output_format if value is not None else None
+    except ValueError as e:  # a `json` text that is not JSON
+        raise ValueError(f"not a JSON schema: {e}") from None
+    if fmt is not None and (error := format_error(fmt)) is not None:
+        raise ValueError(error.strip())
+    return value
+
+
 class GenerationRequestBase(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -123,6 +202,25 @@ class GenerationRequestBase(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit")
     prediction: Prediction | None = Field(
         None, description="the output expected, drafted from (OpenAI's on chat; an extension on completions)")
+    response_format: ResponseFormat | None = Field(
+        None, description="text, any JSON object, or JSON of a schema (OpenAI's on chat; also on completions)")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="extension, as in vLLM: the output matches a JSON schema, regex, choice or grammar")
+
+    @field_validator("response_format", "structured_outputs")
+    @classmethod
+    def _format_compiles(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name == "structured_outputs" and value is not None and (
+                (given := info.data.get("response_format")) is not None and given.type != "text"):
+            raise ValueError("give response_format or structured_outputs, not both")
+        return _checked_format(value)
+
+    @property
+    def output_format(self) -> OutputFormat | None:
+        """What the output must match, if anything."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.output_format
+        return self.response_format.output_format if self.response_format is not None else None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -265,13 +363,12 @@ class ChatCompletionRequest(GenerationRequestBase):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
 
-    @field_validator("tools", "tool_choice", "functions", "function_call",
-                     "response_format", "modalities", "audio", "web_search_options")
+    @field_validator("tools", "tool_choice", "functions", "function_call", "modalities", "audio",
+                     "web_search_options")
     @classmethod
     def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
         return _no_op(value, info)

@@ -7,6 +7,7 @@ is used unchanged where it can be; raw HTTP where the test is about the wire (SS
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -351,6 +352,42 @@ def test_prediction_drafts_and_reports_usage(client) -> None:
     assert again.choices[0].text == completion.choices[0].text
 
 
+def test_structured_outputs_match_their_format(client, base_url: str) -> None:
+    """OpenAI's json_schema and json_object and vLLM's structured_outputs, on chat and completions,
+    streamed and not: the output matches, and speculation does not change it."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    common = {"model": MODEL, "messages": [{"role": "user", "content": "A person as JSON"}], "max_tokens": 40,
+              "temperature": 0}
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    out = client.chat.completions.create(response_format=response_format, **common)
+    text = out.choices[0].message.content
+    assert out.choices[0].finish_reason == "stop"
+    assert set(json.loads(text)) == {"name", "age"}
+    for drafter in ("self", "other", "ngram"):
+        forced = client.chat.completions.create(response_format=response_format,
+                                                extra_body={"speculation": {"drafter": drafter, "draft_len": 3}},
+                                                **common)
+        assert forced.choices[0].message.content == text
+    chunks = list(client.chat.completions.create(response_format=response_format, stream=True, **common))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    anything = client.chat.completions.create(response_format={"type": "json_object"}, **common).choices[0]
+    assert anything.message.content.startswith("{")  # the random target may fill max_tokens inside it
+    assert anything.finish_reason == "length" or isinstance(json.loads(anything.message.content), dict)
+
+    choice = client.completions.create(model=MODEL, prompt="Colour:", max_tokens=8, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    assert choice.choices[0].text in {"red", "green", "blue"}
+    regex = requests.post(f"{base_url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "Date:", "max_tokens": 16, "temperature": 0.8, "seed": 3,
+        "structured_outputs": {"regex": r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"}}).json()
+    assert re.fullmatch(r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]", regex["choices"][0]["text"]), regex
+    lark = requests.post(f"{base_url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "Sum:", "max_tokens": 16, "temperature": 0,
+        "response_format": {"type": "text"}, "structured_outputs": {"grammar": 'start: num " + " num\nnum: /[1-9]/'}})
+    assert re.fullmatch(r"[1-9] \+ [1-9]", lark.json()["choices"][0]["text"]), lark.text
+
+
 def test_draft_len_and_seeded_sampling(base_url: str) -> None:
     r = _chat(base_url, speculation={"drafter": "self", "draft_len": 2}, **GREEDY).json()
     assert r["speculation"]["draft_len"] == 2 and len(r["speculation"]["acceptance_histogram"]) <= 2
@@ -436,6 +473,13 @@ LONG_PROMPT = "lorem ipsum " * 600  # > 1024 tokens, the tiny config's max_model
     ("completions", {}, "prompt"),
     ("completions", {"prompt": "hi", "stop": 3}, "stop"),
     ("chat", {"prediction": "x"}, "prediction"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ("completions", {"prompt": "hi", "structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
+    ("completions", {"prompt": "hi", "structured_outputs": {"json": "{not json"}}, "structured_outputs"),
+    ("completions", {"prompt": "hi", "structured_outputs": {"grammar": "start: nope"}}, "structured_outputs"),
+    ("completions", {"prompt": "hi", "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+     "structured_outputs"),
     ("chat", {"prediction": {"type": "file", "content": "x"}}, "prediction.type"),
     ("completions", {"prompt": "hi", "prediction": {"type": "content", "content": "lorem ipsum " * 600}},
      "prediction"),

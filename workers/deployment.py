@@ -30,6 +30,7 @@ from ray.serve.handle import DeploymentHandle
 from policies.records import BatchingStats
 from workers.config import EngineConfig, RoutingConfig
 from workers.result import GenerationResult, RequestError, StepStats, TokenLogprobs
+from workers.structured import OutputFormat
 
 if TYPE_CHECKING:
     from workers.drafters.remote import DraftCall, DraftReply
@@ -66,6 +67,7 @@ class GenerateRequest:
     prediction: str | None = None  # the output the client expects (OpenAI's Predicted Outputs): drafted from
     # the first chunk starts with the prompt (a raw text) and, with logprobs, its tokens' logprobs
     echo: bool = False
+    output_format: OutputFormat | None = None  # what the output must match (workers/structured.py)
 
     @property
     def prompt_param(self) -> str:
@@ -359,7 +361,7 @@ class TargetWorker:
             params = self._sampling_mod.SamplingParams(
                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed, stop=r.stop,
                 ignore_eos=r.ignore_eos, logprobs=r.logprobs, logit_bias=r.logit_bias, prediction=prediction,
-                prompt_logprobs=r.logprobs if r.echo else None,
+                prompt_logprobs=r.logprobs if r.echo else None, output_format=r.output_format,
                 **{name: value for name, value in defaulted.items() if value is not None},
             )
         except ValueError as e:  # the ingress checks the same ranges; its message starts with the field

@@ -41,6 +41,7 @@ from workers.models.base import ForwardOutput, KVCache, synchronize
 from workers.penalties import penalize
 from workers.result import GenerationResult, PredictionTokens, RequestError, StepStats, TokenLogprobs
 from workers.sampling import SamplingParams, make_generator, probs_from_logits
+from workers.structured import Grammars
 from workers.target import LoadedModel, load_model
 from workers.tree import DraftTree
 from workers.verify import VerifyResult, verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
@@ -101,16 +102,20 @@ class Generation:
         self.model = engine.target.model
         self.device = self.model.device
         max_len = len(prompt_ids) + params.max_tokens
+        self.stop_ids = set() if params.ignore_eos else set(self.model.info.eos_token_ids)
+        self.stop_ids |= params.extra_stop_token_ids
+        # the request's place in the grammar its output must match (workers/structured.py)
+        self.guide = None if params.output_format is None else engine.grammars.guide(params.output_format, self.stop_ids)
+        # a guided step masks a chain's rows, so its drafters draft chains, as for a row-invariant target
         self.ctx = DraftContext(list(prompt_ids), params, make_generator(params.seed, self.device), max_len,
-                                num_prompt=len(prompt_ids), domain=domain, exact_tree=engine.exact_tree)
+                                num_prompt=len(prompt_ids), domain=domain,
+                                exact_tree=engine.exact_tree and self.guide is None)
         self.with_hidden = engine.needs_hidden_states
         if self.with_hidden:
             dtype = getattr(self.model, "dtype", torch.float32)
             self.ctx.features = torch.empty(max_len, self.model.info.hidden_size, dtype=dtype, device=self.device)
         self.cache: KVCache | None = self.model.new_cache(max_len) if prefill else None
         self._closed = False
-        self.stop_ids = set() if params.ignore_eos else set(self.model.info.eos_token_ids)
-        self.stop_ids |= params.extra_stop_token_ids
         self.finish_reason: str | None = None
         self.text: str | None = None
         self.steps: list[StepStats] = []
@@ -233,6 +238,8 @@ class Generation:
                 drafter, fallback = PLAIN, "drafter_error"
         if draft is not None and draft.tree is None and draft.token_ids.shape[0] > k:
             draft = Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
+        if draft is not None and self.guide is not None:
+            draft = self._guided(draft)
         if draft is not None:  # a drafter on the target's GPU returns at launch too
             synchronize(self.device)
         draft_s = order.draft_s + time.perf_counter() - t0
@@ -395,11 +402,26 @@ class Generation:
             self.drop(drafter)
             return None
 
+    def _guided(self, draft: Draft) -> Draft:
+        """The draft a guided step verifies: a tree's leading chain (its rows are masked along one
+        path), cut after the tokens the grammar allows. A sampled draft keeps its first forbidden
+        token: its certain rejection draws the next token from the residual its probabilities leave."""
+        ids, probs = draft.token_ids, draft.probs
+        if draft.tree is not None:
+            ids, probs = ids[: draft.tree.leading_chain], None
+        keep = self.guide.valid_prefix(ids.tolist())
+        if probs is not None:
+            keep = min(keep + 1, ids.shape[0])
+        return Draft(ids[:keep], None if probs is None else probs[:keep])
+
     def _verify(
         self, logits: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, tree: DraftTree | None,
     ) -> VerifyResult:
         if self.params.penalized:
             logits = self._penalized(logits, draft_ids, tree)
+        if self.guide is not None:  # a chain (`_guided`): row r masked after the first r draft tokens
+            allowed = torch.from_numpy(self.guide.masks(draft_ids.tolist())).to(logits.device)
+            logits = logits.float().masked_fill(~allowed, float("-inf"))
         # a row-invariant target scores only the tree's leading chain as plain decoding would (verify.py)
         exact = tree.leading_chain if tree is not None and not self.ctx.exact_tree else None
         if self.params.greedy:
@@ -421,8 +443,10 @@ class Generation:
         """Append tokens one by one, stopping where plain decoding would have stopped."""
         for n, token in enumerate(token_ids, start=1):
             self.ctx.token_ids.append(token)
-            if token in self.stop_ids:
-                self.finish_reason = "stop"
+            if self.guide is not None:
+                self.guide.advance(token)
+            if token in self.stop_ids or (self.guide is not None and self.guide.done):
+                self.finish_reason = "stop"  # a complete grammar ends the output: no forward for its end token
             elif self.params.stop and (text := self._text_before_stop()) is not None:
                 self.finish_reason, self.text = "stop", text
             elif self.num_remaining == 0:
@@ -497,6 +521,12 @@ class SpecEngine:
         return self.target.tokenizer
 
     @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Structured outputs' matchers for this tokenizer (built on the first request that asks)."""
+        info = self.target.model.info
+        return Grammars(self.target.tokenizer, info.vocab_size, info.eos_token_ids)
+
+    @functools.cached_property
     def token_text(self) -> TokenText:
         """Tokens' text and bytes, for the logprobs requests ask for."""
         return TokenText(self.target.tokenizer)
@@ -536,6 +566,11 @@ class SpecEngine:
                 raise RequestError(f"prediction: {len(params.prediction)} tokens, more than this model's maximum "
                                    f"context length of {self.max_model_len}", "prediction")
             self.check_token_ids(params.prediction, "prediction")
+        if params.output_format is not None:
+            try:
+                self.grammars.check(params.output_format)
+            except ValueError as e:
+                raise RequestError(f"response_format: {e}", "response_format") from None
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "

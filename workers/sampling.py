@@ -21,6 +21,7 @@ from workers.config import (
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
 )
+from workers.structured import OutputFormat
 
 DEFAULT_MAX_TOKENS = 128
 
@@ -46,6 +47,8 @@ class SamplingParams:
     # the output the request predicts (OpenAI's Predicted Outputs), as token ids: a source of drafts
     # (workers/drafters/prediction.py), never of output
     prediction: tuple[int, ...] = ()
+    # what the output must match (workers/structured.py): every verified row is masked to it
+    output_format: OutputFormat | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
