@@ -42,6 +42,7 @@ from workers.config import PLAIN
 from workers.engine import Generation, SpecEngine, StepOrder
 from workers.routing import RoutedBatch, RoutedStep, Router
 from workers.sampling import SamplingParams
+from workers.structured import OutputFormat
 
 PLAIN_METHOD, SERIAL_METHOD, ROUTER_METHOD = "plain", "plain-serial", "router"
 PLAIN_METHODS = (PLAIN_METHOD, SERIAL_METHOD)  # outputs compared with plain decoding alone, sampled too
@@ -53,9 +54,11 @@ class Request:
     prompt_ids: list[int]
     seed: int | None = None  # a sampled request's own seed, the same for every method
     prediction: tuple[int, ...] = ()  # the prompt's predicted output (BenchPrompt.prediction), as token ids
+    output_format: OutputFormat | None = None  # what the output must match (BenchPrompt.output_format)
 
     def params(self, params: SamplingParams) -> SamplingParams:
-        return replace(params, prediction=self.prediction, **({} if self.seed is None else {"seed": self.seed}))
+        return replace(params, prediction=self.prediction, output_format=self.output_format,
+                       **({} if self.seed is None else {"seed": self.seed}))
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,8 @@ def one_request(session: requests.Session, args: LoadArgs, prompt: BenchPrompt) 
         body["model"] = args.model
     if prompt.prediction is not None:
         body["prediction"] = {"type": "content", "content": prompt.prediction}
+    if prompt.response_format is not None:
+        body["response_format"] = prompt.response_format.model_dump(by_alias=True, exclude_none=True)
     t0 = time.perf_counter()
     timing = RequestTiming(ok=False, sent_at=t0)
     try:

@@ -4,7 +4,9 @@ Only the first turn is benchmarked: the second turn of a Spec-Bench question fol
 own first answer, which would make the prompt depend on the method that produced it. A line may
 instead carry `messages` ([{role, content}], earlier answers written out, as in
 bench/workloads/): the whole conversation is the prompt. A line may also carry `prediction`: the
-output the request predicts (OpenAI's Predicted Outputs), sent with it to every method of ours.
+output the request predicts (OpenAI's Predicted Outputs), sent with it to every method of ours,
+and `response_format` (OpenAI's shape): the format its output must match, for every method of ours
+(the peers do not take one, so a file with formats runs ours alone).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from policies.classifier import is_heldout
+from router.schemas import ResponseFormat
+from workers.structured import OutputFormat
 
 
 def _int_or_none(value: int | str) -> int | None:
@@ -30,6 +34,11 @@ class BenchPrompt:
     text: str  # the first turn; with `messages`, the last user message (what the classifier reads)
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) of a whole conversation
     prediction: str | None = None  # the output the request predicts
+    response_format: ResponseFormat | None = None  # what the output must match
+
+    @property
+    def output_format(self) -> OutputFormat | None:
+        return None if self.response_format is None else self.response_format.output_format
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages an OpenAI-style request carries: the text as one user message, or the
@@ -43,11 +52,13 @@ class BenchPrompt:
 
 def _parse(q: dict) -> BenchPrompt:
     prediction = None if q.get("prediction") is None else str(q["prediction"])
+    fmt = None if q.get("response_format") is None else ResponseFormat.model_validate(q["response_format"])
     if "messages" in q:
         messages = tuple((str(m["role"]), str(m["content"])) for m in q["messages"])
         text = next(content for role, content in reversed(messages) if role == "user")
-        return BenchPrompt(q["question_id"], str(q["category"]), text, messages, prediction)
-    return BenchPrompt(q["question_id"], str(q["category"]), str(q["turns"][0]), prediction=prediction)
+        return BenchPrompt(q["question_id"], str(q["category"]), text, messages, prediction, fmt)
+    return BenchPrompt(q["question_id"], str(q["category"]), str(q["turns"][0]), prediction=prediction,
+                       response_format=fmt)
 
 
 def load_prompts(

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from bench.concurrency import (
+    PLAIN_METHODS,
     Request,
     ServerPeer,
     as_json,
@@ -74,6 +75,12 @@ class BenchArgs:
     rounds: int = 1  # under concurrency: runs of each method per level, the fastest reported
 
 
+def check_formats(prompts: Sequence[BenchPrompt], methods: Sequence[str], ours: Sequence[str]) -> None:
+    """A workload whose prompts carry a `response_format` runs only methods that apply it (ours)."""
+    if any(p.response_format is not None for p in prompts) and (peers := [m for m in methods if m not in ours]):
+        raise ValueError(f"{', '.join(peers)}: these methods do not apply the prompts' response_format")
+
+
 def encode_checked(engine: SpecEngine, prompts: Sequence[BenchPrompt], params: SamplingParams) -> dict:
     """Each prompt's token ids by question id; a prompt the engine refuses raises ValueError
     naming the question (RequestError is a ValueError)."""
@@ -105,8 +112,9 @@ def run_concurrency_bench(args: BenchArgs) -> dict:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     engine = SpecEngine.from_config(args.config)
     prompt_ids = encode_checked(engine, prompts, params)
+    check_formats(prompts, methods, [*PLAIN_METHODS, ROUTER_METHOD, *(d.name for d in args.config.drafters)])
     requests = [Request(p, prompt_ids[p.question_id], None if params.greedy else args.seed + i,
-                        tuple(engine.encode_text(p.prediction or "")))
+                        tuple(engine.encode_text(p.prediction or "")), p.output_format)
                 for i, p in enumerate(prompts)]
     router = None
     if "router" in methods:
@@ -157,12 +165,14 @@ def run_bench(args: BenchArgs) -> dict:
                            file_order=args.file_order)
     if args.prime >= len(prompts):
         raise ValueError(f"--prime {args.prime} leaves none of the {len(prompts)} selected prompts to time")
+    check_formats(prompts, methods, [*PLAIN_METHODS, ROUTER_METHOD, *(d.name for d in args.config.drafters)])
     policy = load_policy(args.routing.policy_path()) if ROUTER_METHOD in methods else None
     engine = SpecEngine.from_config(args.config)
     prompt_ids = encode_checked(engine, prompts, params)
-    # one seed per prompt, shared by every method (greedy ignores it), and the prompt's prediction
+    # one seed per prompt, shared by every method (greedy ignores it), the prompt's prediction and format
     prompt_params = {p.question_id: replace(params, seed=args.seed + i,
-                                            prediction=tuple(engine.encode_text(p.prediction or "")))
+                                            prediction=tuple(engine.encode_text(p.prediction or "")),
+                                            output_format=p.output_format)
                      for i, p in enumerate(prompts)}
 
     load_target = functools.cache(lambda: load_hf(args.config.target)[0])  # the target in transformers

@@ -67,6 +67,20 @@ def _draft_len(text: str) -> int | None:
     return None if text == "auto" else _positive_int(text)
 
 
+def _output_format(response_format: str | None) -> Any:
+    """--response-format's JSON (OpenAI's object) as the engine's OutputFormat; None: free text."""
+    if response_format is None:
+        return None
+    from pydantic import ValidationError
+
+    from router.schemas import GenerationRequestBase
+
+    try:
+        return GenerationRequestBase.model_validate({"response_format": json.loads(response_format)}).output_format
+    except (json.JSONDecodeError, ValidationError) as e:
+        raise ValueError(f"--response-format: {e}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from policies.schema import PolicyError
     from policies.stats import MemoryStats
@@ -86,6 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()), logprobs=args.logprobs, **penalties,
+            output_format=_output_format(args.response_format),
         )
     except ValueError as e:
         raise CLIError(str(e)) from None
@@ -97,7 +112,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.prediction:
             params = dataclasses.replace(params, prediction=tuple(engine.encode_text(args.prediction)))
         result = route(router, prompt_ids, params, args.prompt, Speculation(args.drafter, args.draft_len))
-    except (ModelLoadError, PolicyError) as e:
+    except (ModelLoadError, PolicyError, RequestError) as e:
         raise CLIError(str(e)) from None
 
     if not args.json:
@@ -328,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
         gen.add_argument(f"--{penalty}-penalty", type=float, default=None, help="default: none")
     gen.add_argument("--prediction", default=None, metavar="TEXT",
                      help="the output expected (e.g. the file an edit rewrites): drafted from, never emitted as is")
+    gen.add_argument("--response-format", default=None, metavar="JSON",
+                     help='what the output must match, as OpenAI\'s object: \'{"type": "json_object"}\' or '
+                          '\'{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}\'')
     gen.add_argument("--raw", action="store_true", help="no chat template: the prompt as is")
     gen.add_argument("--logprobs", type=int, default=None, metavar="N",
                      help="with --json: each token's logprob and its position's N likeliest")

@@ -134,11 +134,20 @@ def test_generate_drafts_from_a_prediction(plain_json: dict) -> None:
     assert "prediction_tokens" not in plain_json
 
 
+def test_generate_holds_the_output_to_a_response_format() -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+        "type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}}, "required": ["answer"]}}}
+    out = generate_json("--response-format", json.dumps(fmt), "--max-tokens", "24")
+    assert out["finish_reason"] == "stop" and set(json.loads(out["text"])) == {"answer"}
+    proc = specroute("generate", "--prompt", PROMPT, "--response-format", '{"type": "json_schema"}')
+    assert_user_error(proc, "--response-format", "json_schema")
+
+
 def test_generate_auto_routes_and_reports_the_decision(plain_json: dict) -> None:
     out = generate_json()  # --drafter auto is the default
     assert out["token_ids"] == plain_json["token_ids"]  # routing never changes greedy output
     assert out["domain"] in ("chat", "code", "math", "rag", "summarization", "translation")
-    assert out["policy_version"] == "default-6" and out["reason"] in ("best", "explore", "fallback")
+    assert out["policy_version"] == "default-7" and out["reason"] in ("best", "explore", "fallback")
     assert sum(steps for _, _, steps in out["schedule"]) == out["num_steps"]
     assert {drafter for drafter, _, _ in out["schedule"]} <= {"ngram", "none"}
 

@@ -84,7 +84,7 @@ def test_dashboard_charts_show_data(base_url: str, traffic: None, tmp_path: Path
     has = dict(re.findall(r'id="(\w+)" data-has-data="(true|false)"', out.stdout))
     assert set(has) == set(CHARTS)
     assert all(has[c] == "true" for c in ("acceptance", "mal", "speedup", "acceptance_t", "decisions_t")), has
-    assert re.search(r'id="version">default-6<', out.stdout)
+    assert re.search(r'id="version">default-7<', out.stdout)
 
     shot = tmp_path / "dashboard.png"
     _browser(f"--screenshot={shot}", f"{base_url}/dashboard?every=1")

@@ -393,7 +393,7 @@ def test_prometheus_config_and_alert_rules(base_url: str, traffic: list[dict]) -
 
 # -- PUT /v1/policy ----------------------------------------------------------------------------------
 def _policy_text(version: str, k_min: int = 1) -> str:
-    text = DEFAULT_POLICY_PATH.read_text().replace('version: "default-6"', f'version: "{version}"')
+    text = DEFAULT_POLICY_PATH.read_text().replace('version: "default-7"', f'version: "{version}"')
     return text.replace("k_min: 1\n", f"k_min: {k_min}\n", 1)  # the first domain (code)
 
 
@@ -442,4 +442,4 @@ def test_put_policy_reaches_every_replica(base_url: str) -> None:
     worker.broadcast("reconfigure", {"policy": {"version": "uc-bad"}}).results(timeout_s=60)
     assert {a["policy_version"] for a in worker.broadcast("observe").results(timeout_s=60)} == {"put-2"}
     worker.broadcast("reconfigure", {"policy": str(DEFAULT_POLICY_PATH)}).results(timeout_s=60)
-    assert {a["policy_version"] for a in worker.broadcast("observe").results(timeout_s=60)} == {"default-6"}
+    assert {a["policy_version"] for a in worker.broadcast("observe").results(timeout_s=60)} == {"default-7"}

@@ -90,7 +90,7 @@ def test_chat_completion(client) -> None:
     spec = out.model_extra["speculation"]
     # auto: the shipped policy routes "Hello" (chat) to prompt lookup or plain decoding
     assert spec["drafter"] in ("ngram", "none") and spec["reason"] in ("best", "explore", "fallback")
-    assert spec["domain"] == "chat" and spec["policy_version"] == "default-6"
+    assert spec["domain"] == "chat" and spec["policy_version"] == "default-7"
     assert sum(steps for _, _, steps in spec["schedule"]) == spec["num_steps"]
 
 

@@ -18,6 +18,7 @@ from workers.config import (
     PLAIN,
     EagleDrafterConfig,
     EngineConfig,
+    GrammarDrafterConfig,
     LookaheadDrafterConfig,
     MedusaDrafterConfig,
     ModelConfig,
@@ -41,7 +42,7 @@ SCHEMA = {
     "required": ["name", "tags", "n"],
     "additionalProperties": False,
 }
-DRAFTERS = ["ngram", "self", "self_tree", "other", "suffix", "lookahead", "eagle", "medusa"]
+DRAFTERS = ["grammar", "ngram", "self", "self_tree", "other", "suffix", "lookahead", "eagle", "medusa"]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def engine(tiny_llama_dir: Path, tiny_drafter_dir: Path, tmp_path_factory: pytes
     base = SpecEngine.from_config(EngineConfig.model_validate({
         "target": {"model": str(tiny_llama_dir), "max_model_len": 512},
         "drafters": [
-            NgramDrafterConfig().model_dump(), PredictionDrafterConfig().model_dump(),
+            NgramDrafterConfig().model_dump(), PredictionDrafterConfig().model_dump(), GrammarDrafterConfig().model_dump(),
             SuffixDrafterConfig().model_dump(), LookaheadDrafterConfig().model_dump(),
             ModelDrafterConfig(name="self", model=target).model_dump(),
             ModelDrafterConfig(name="self_tree", model=target, tree=TreeConfig(topk=2, nodes=6)).model_dump(),
@@ -124,7 +125,53 @@ def test_guided_greedy_output_is_guided_plain_output(engine: SpecEngine, drafter
         assert unguided != plain.token_ids  # the grammar changed what the random target writes
     else:
         assert not set("{}<>") & set(plain.text)
-        assert out.num_draft_tokens > 0 or drafter in ("ngram", "suffix")  # these two draft repeats only
+        # ngram and suffix draft repeats only; nearly any text is free: nothing forced
+        assert out.num_draft_tokens > 0 or drafter in ("ngram", "suffix", "grammar")
+
+
+def test_the_grammar_drafter_drafts_what_the_format_forces(engine: SpecEngine) -> None:
+    fmt = OutputFormat.json_schema(SCHEMA)
+    guide = engine.grammars.guide(fmt, {2})
+    for t in engine.encode_text('{"name": "x"'):
+        guide.advance(t)
+    # the next key, short of the " [" a longer token could merge with what follows
+    assert engine.tokenizer.decode(guide.forced()) == ', "tags":'
+    prompt = engine.encode("Describe a user as JSON.")
+    plain = engine.generate(prompt, guided(fmt))
+    out = engine.generate(prompt, guided(fmt), "grammar", 8)
+    assert out.token_ids == plain.token_ids
+    # the keys, quotes and separators: a third of the document or more, drafted and accepted
+    assert out.num_accepted_tokens >= len(plain.token_ids) // 3
+    assert out.num_accepted_tokens >= 0.9 * out.num_draft_tokens
+    free = engine.generate(prompt, SamplingParams(max_tokens=16), "grammar", 8)
+    assert free.num_draft_tokens == 0  # no format, nothing forced
+
+
+def test_the_router_drafts_from_the_grammar_only_for_guided_requests(engine: SpecEngine) -> None:
+    from policies.schema import load_policy
+    from policies.stats import MemoryStats
+    from workers.routing import RoutedBatch, Router, Speculation, generate
+
+    policy = load_policy({
+        "version": "t", "default_domain": "chat",
+        "domains": {"chat": {"drafters": ["grammar", "ngram", "self", "none"], "k_min": 1, "k_max": 8,
+                             "priors": {"grammar": 0.9, "ngram": 0.5, "self": 0.5}, "cheap_first": True}},
+        "classifier": {"rules": []},
+    })
+    router = Router(engine, policy, MemoryStats(), seed=0)
+    prompt = engine.encode("Describe a user as JSON.")
+    free, fmt = SamplingParams(max_tokens=24), guided(OutputFormat.json_schema(SCHEMA))
+    bare = router.start(prompt, free, "text", Speculation())
+    assert "grammar" not in bare.cheap.shadow and "grammar" not in bare.plan.estimates
+    bare.close()
+    plain = engine.generate(prompt, fmt).token_ids
+    result = generate(router, prompt, fmt, "text")
+    assert result.token_ids == plain and "grammar" in result.drafters
+    batch = RoutedBatch(router)
+    running = [batch.add(prompt, q, "text", Speculation()) for q in (fmt, free, fmt)]
+    while batch.num_running or batch.num_waiting:
+        batch.step()
+    assert [r.result().token_ids for r in running] == [plain, engine.generate(prompt, free).token_ids, plain]
 
 
 def test_a_draft_of_the_guided_output_is_accepted_whole(engine: SpecEngine) -> None:

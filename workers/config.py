@@ -147,6 +147,15 @@ class TreeConfig(_Strict):
         return min(self.nodes, self.topk + (depth - 1) * self.topk**2) if depth > 0 else 0
 
 
+class GrammarDrafterConfig(_Strict):
+    """Grammar drafting (workers/drafters/grammar.py): a guided request's forced tokens, the text
+    its format leaves no choice about (`response_format`, `structured_outputs`)."""
+
+    kind: Literal["grammar"] = "grammar"
+    name: str = "grammar"
+    draft_len: int = Field(8, ge=1, description="static k when the policy does not choose one")
+
+
 class SuffixDrafterConfig(_MatchLengths):
     """Suffix decoding (workers/drafters/suffix.py): prompt lookup that also reads the outputs of
     the requests each domain served before."""
@@ -239,8 +248,8 @@ class MedusaDrafterConfig(_CheckpointDrafterConfig):
 
 
 DrafterConfig = Annotated[
-    NgramDrafterConfig | PredictionDrafterConfig | SuffixDrafterConfig | LookaheadDrafterConfig | ModelDrafterConfig
-    | EagleDrafterConfig | MedusaDrafterConfig,
+    NgramDrafterConfig | PredictionDrafterConfig | GrammarDrafterConfig | SuffixDrafterConfig | LookaheadDrafterConfig
+    | ModelDrafterConfig | EagleDrafterConfig | MedusaDrafterConfig,
     Field(discriminator="kind"),
 ]
 
@@ -262,7 +271,8 @@ class EngineConfig(_Strict):
     target: TargetConfig = TargetConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     # the drafters that need neither a model nor a memory: prompt lookup and predicted outputs
-    drafters: list[DrafterConfig] = Field(default_factory=lambda: [NgramDrafterConfig(), PredictionDrafterConfig()])
+    drafters: list[DrafterConfig] = Field(
+        default_factory=lambda: [NgramDrafterConfig(), PredictionDrafterConfig(), GrammarDrafterConfig()])
     max_draft_len: int = Field(MAX_DRAFT_LEN, ge=1, description="upper bound on k for any drafter")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
 

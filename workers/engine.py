@@ -33,6 +33,7 @@ from workers.drafters.base import (
     LogitsReader,
     TrafficLearner,
 )
+from workers.drafters.grammar import GrammarDrafter
 from workers.drafters.prediction import PredictionDrafter
 from workers.drafters.registry import build_drafters
 from workers.drafters.remote import DraftService
@@ -105,11 +106,12 @@ class Generation:
         self.stop_ids = set() if params.ignore_eos else set(self.model.info.eos_token_ids)
         self.stop_ids |= params.extra_stop_token_ids
         # the request's place in the grammar its output must match (workers/structured.py)
-        self.guide = None if params.output_format is None else engine.grammars.guide(params.output_format, self.stop_ids)
+        fmt = params.output_format
+        self.guide = None if fmt is None else engine.grammars.guide(fmt, self.stop_ids)
         # a guided step masks a chain's rows, so its drafters draft chains, as for a row-invariant target
         self.ctx = DraftContext(list(prompt_ids), params, make_generator(params.seed, self.device), max_len,
                                 num_prompt=len(prompt_ids), domain=domain,
-                                exact_tree=engine.exact_tree and self.guide is None)
+                                exact_tree=engine.exact_tree and self.guide is None, guide=self.guide)
         self.with_hidden = engine.needs_hidden_states
         if self.with_hidden:
             dtype = getattr(self.model, "dtype", torch.float32)
@@ -505,6 +507,7 @@ class SpecEngine:
         # looked up per request and step (isinstance against a Protocol costs ~8 us)
         self.batch_drafters = {name for name, d in drafters.items() if isinstance(d, BatchDrafter)}
         self.prediction_drafters = {name for name, d in drafters.items() if isinstance(d, PredictionDrafter)}
+        self.grammar_drafters = {name for name, d in drafters.items() if isinstance(d, GrammarDrafter)}
 
     @classmethod
     def from_config(cls, config: EngineConfig, services: Mapping[str, DraftService] | None = None) -> SpecEngine:

@@ -327,10 +327,12 @@ class Router:
             raise RequestError(str(e).split(": ", 1)[-1], "speculation.domain") from None
         domain = classification.domain
         dp = policy.domains[domain]
-        # a prediction drafter drafts only for a request that predicts its output: its statistics
-        # are those of such requests, and no other request's plan or shadows count it
+        # a prediction drafter drafts only for a request that predicts its output, a grammar drafter
+        # only for one with a format: their statistics are those of such requests, and no other
+        # request's plan or shadows count them
         usable = {name for name in self.engine.drafters
-                  if params.prediction or name not in self.engine.prediction_drafters}
+                  if (params.prediction or name not in self.engine.prediction_drafters)
+                  and (params.output_format is not None or name not in self.engine.grammar_drafters)}
         features = Features(domain, len(prompt_ids))
         if drafter == PLAIN or k == 0:
             plan = forced_plan(domain, PLAIN, 0)

@@ -118,6 +118,11 @@ class Guide:
         """The grammar is complete and takes no more text: only an end token could come next."""
         return self.matcher.is_stopped()
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces from here (none where it leaves a choice), tokenized as the
+        tokenizer would, short of a last token that could merge with the free text after it."""
+        return self.matcher.compute_ff_tokens()
+
     def advance(self, token_id: int) -> None:
         """The output grew by `token_id`, which the last mask allowed."""
         if token_id not in self._stop_set and not self.matcher.consume_token(token_id):

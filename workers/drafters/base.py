@@ -15,6 +15,7 @@ import torch
 
 from workers.config import TreeConfig
 from workers.sampling import SamplingParams
+from workers.structured import Guide
 from workers.tree import DraftTree
 
 
@@ -46,6 +47,8 @@ class DraftContext:
     # target, which scores only a tree's leading chain so (workers/verify.py): only that chain can
     # add tokens past the one the root's row gives
     exact_tree: bool = True
+    # the request's place in the grammar its output must match (workers/structured.py); None: free text
+    guide: Guide | None = None
 
     def tree_shape(self, tree: TreeConfig | None) -> TreeConfig | None:
         """The tree a drafter configured with `tree` drafts for this request (`drafted_tree`)."""

@@ -10,6 +10,7 @@ import torch
 from workers.config import (
     DrafterConfig,
     EagleDrafterConfig,
+    GrammarDrafterConfig,
     LookaheadDrafterConfig,
     MedusaDrafterConfig,
     ModelDrafterConfig,
@@ -20,6 +21,7 @@ from workers.config import (
 from workers.drafters.base import Drafter
 from workers.drafters.checkpoint import CheckpointError
 from workers.drafters.eagle import EagleDrafter, EagleNet
+from workers.drafters.grammar import GrammarDrafter
 from workers.drafters.lookahead import LookaheadDrafter
 from workers.drafters.medusa import MedusaDrafter, MedusaHeads
 from workers.drafters.model import ModelDrafter
@@ -125,6 +127,8 @@ def build_drafter(
         return NgramDrafter(config)
     if isinstance(config, PredictionDrafterConfig):
         return PredictionDrafter(config)
+    if isinstance(config, GrammarDrafterConfig):
+        return GrammarDrafter(config)
     if isinstance(config, SuffixDrafterConfig):
         return SuffixDrafter(config)
     if isinstance(config, ModelDrafterConfig):
