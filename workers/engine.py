@@ -447,10 +447,12 @@ class Generation:
             self.ctx.token_ids.append(token)
             if self.guide is not None:
                 self.guide.advance(token)
-            if token in self.stop_ids or (self.guide is not None and self.guide.done):
-                self.finish_reason = "stop"  # a complete grammar ends the output: no forward for its end token
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
             elif self.params.stop and (text := self._text_before_stop()) is not None:
                 self.finish_reason, self.text = "stop", text
+            elif self.guide is not None and self.guide.done:
+                self.finish_reason = "stop"  # a complete grammar ends the output: no forward for its end token
             elif self.num_remaining == 0:
                 self.finish_reason = "length"
             if self.finished:
