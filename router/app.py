@@ -69,13 +69,17 @@ from router.schemas import (
     ContextSpanInfo,
     ErrorBody,
     ErrorResponse,
+    FunctionCall,
     GenerationRequestBase,
     ModelCard,
     ModelList,
     SpeculationInfo,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
 from router.stats_view import stats_json
+from router.tools import Call
 from workers.config import PLAIN, EngineConfig, ModelDrafterConfig, RoutingConfig
 from workers.deployment import Chunk, DrafterWorker, GenerateRequest, TargetWorker
 from workers.result import GenerationResult, RequestError, TokenLogprobs
@@ -331,6 +335,10 @@ def _usage(results: list[GenerationResult], n: int) -> Usage:
                  completion_tokens_details=details)
 
 
+def _tool_call(call: Call) -> ToolCall:
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
 def _cancel(gens: Sequence[DeploymentResponseGenerator]) -> None:
     """Cancel every choice's stream; one the worker refused (back pressure) raises its error again
     when cancelled, which must not replace the error being answered."""
@@ -441,22 +449,42 @@ class OpenAIIngress:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         messages = [m.as_template_message() for m in body.messages]
+        tool_calls = body.tool_calls
+        held = [""] * body.n  # a choice's calls go out whole, in its last chunk
 
         def chunk(index: int, text: str, finish: str | None = None, spec: SpeculationInfo | None = None,
-                  role: str | None = None, logprobs: list[TokenLogprobs] | None = None) -> ChatCompletionChunk:
-            choice = ChatChunkChoice(index=index, delta=ChatDelta(role=role, content=text), finish_reason=finish,
+                  role: str | None = None, logprobs: list[TokenLogprobs] | None = None) -> ChatCompletionChunk | None:
+            delta = ChatDelta(role=role, content=text)
+            if tool_calls is not None and role is None:
+                held[index] += text
+                if finish is None and text:
+                    return None
+                if finish is not None:
+                    answer = tool_calls.answer(held[index], finish)
+                    finish = answer.finish_reason
+                    delta = ChatDelta(content=answer.content, tool_calls=None if answer.calls is None else [
+                        ToolCallDelta(index=i, **_tool_call(c).model_dump()) for i, c in enumerate(answer.calls)])
+            choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish,
                                      logprobs=None if logprobs is None else ChatLogprobs.of(logprobs))
             return ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
                                        choices=[choice], speculation=spec)
 
+        def message(text: str, finish: str) -> tuple[AssistantMessage, str]:
+            if tool_calls is None:
+                return AssistantMessage(content=text), finish
+            answer = tool_calls.answer(text, finish)
+            calls = None if answer.calls is None else [_tool_call(c) for c in answer.calls]
+            return AssistantMessage(content=answer.content, tool_calls=calls), answer.finish_reason
+
         if body.stream:
             return await self._stream(body, [messages], chunk, lambda index: chunk(index, "", role="assistant"))
         outs = await self._generate(body, [messages])
+        answers = [message(out.text, out.finish_reason or "length") for out in outs]
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name,
-            choices=[ChatChoice(index=i, message=AssistantMessage(content=out.text), finish_reason=out.finish_reason,
+            choices=[ChatChoice(index=i, message=msg, finish_reason=finish,
                                 logprobs=None if out.logprobs is None else ChatLogprobs.of(out.logprobs))
-                     for i, out in enumerate(outs)],
+                     for i, (out, (msg, finish)) in enumerate(zip(outs, answers))],
             usage=_usage([out.result for out in outs], body.n), speculation=_speculation_info(outs[0].result),
         )
 
@@ -545,6 +573,7 @@ class OpenAIIngress:
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
             prediction=body.prediction.text if body.prediction is not None else None, echo=body.echoes,
             output_format=body.output_format,
+            tools=body.template_tools,
         )
         seed = body.seed
         return [replace(request, **_prompt_fields(prompt), **({} if seed is None else {"seed": seed + i}))
@@ -602,8 +631,9 @@ class OpenAIIngress:
                     finished[index] = chunk.result
                     yield _sse(make_chunk(index, chunk.text, chunk.finish_reason, _speculation_info(chunk.result),
                                           logprobs=chunk.logprobs), drop)
-                elif chunk.text or chunk.logprobs:  # a token's logprobs go out before its text may
-                    yield _sse(make_chunk(index, chunk.text, logprobs=chunk.logprobs), drop)
+                elif (chunk.text or chunk.logprobs) and (  # a token's logprobs go out before its text may
+                        event := make_chunk(index, chunk.text, logprobs=chunk.logprobs)) is not None:
+                    yield _sse(event, drop)  # (None: held back, as a tool call is until it is whole)
             if include_usage:
                 usage = _usage([finished[i] for i in sorted(finished)], n)
                 last = make_chunk(0, "").model_copy(update={"choices": [], "usage": usage})

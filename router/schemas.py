@@ -12,9 +12,12 @@ off the prefill's rows; the first token has none): lm-evaluation-harness's logli
 `response_format` (OpenAI's `json_object` / `json_schema`, on both endpoints) and vLLM's
 `structured_outputs` (`json`, `regex`, `choice`, `grammar`) hold the output to a format: every
 verified row is masked by the grammar (workers/structured.py), so speculation stays lossless.
+`tools` with `tool_choice` "required" or a named function are decoded the same way, under the
+calls' schemas (router/tools.py); "auto" needs a parser for the model's own tool-call syntax and
+is refused.
 
 Every field OpenAI defines is accepted. Those that do not change what is generated (`user`,
-`metadata`, ...) are ignored; those this server does not implement (tools, audio, ...)
+`metadata`, ...) are ignored; those this server does not implement (`functions`, `audio`, ...)
 are accepted at their no-op value and refused otherwise, naming the field, rather than silently
 answered without them. A field OpenAI does not define is refused: a typo must not pass unnoticed.
 """
@@ -26,6 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
+from router.tools import NO_PARAMETERS, ToolChoice
 from workers.config import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -46,8 +50,7 @@ MAX_SEQUENCES = 64  # a completion's prompts times `n`: each its own request in 
 # The values of OpenAI's unimplemented fields that ask for nothing (a client library may send them)
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
-    "function_call": (None, "none", "auto"),
+    "best_of": (None, 1), "functions": (None, []), "function_call": (None, "none", "auto"),
     "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
 }
 
@@ -216,6 +219,11 @@ class GenerationRequestBase(BaseModel):
         return _checked_format(value)
 
     @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tool definitions a chat template may render."""
+        return None
+
+    @property
     def output_format(self) -> OutputFormat | None:
         """What the output must match, if anything."""
         if self.structured_outputs is not None:
@@ -351,6 +359,35 @@ class ChatMessage(BaseModel):
         return {"role": role, "content": content or ""}
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (null: none)")
+    strict: bool | None = Field(None, description="the arguments always match the schema here, strict or not")
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(GenerationRequestBase):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
@@ -359,19 +396,60 @@ class ChatCompletionRequest(GenerationRequestBase):
     logprobs: bool | None = Field(None, description="return each output token's logprob")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="and this many likeliest tokens at its position")
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, validate_default=True,
+        description='"required" or a named function: calls decoded under their schemas; "auto" is refused')
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
 
-    @field_validator("tools", "tool_choice", "functions", "function_call", "modalities", "audio",
-                     "web_search_options")
+    @field_validator("functions", "function_call", "modalities", "audio", "web_search_options")
     @classmethod
     def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
         return _no_op(value, info)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if value in (None, "auto") and names:
+            raise ValueError('"auto" (the default with tools) needs a parser for the model\'s own tool-call syntax, '
+                             'which this server does not have: send "required", a named function or "none"')
+        if value == "required" and not names:
+            raise ValueError('"required" needs tools')
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise ValueError(f"no tool is named {value.function.name!r} (tools: {', '.join(names) or 'none'})")
+        calls = value == "required" or isinstance(value, NamedToolChoice)
+        formats = (info.data.get("structured_outputs"), info.data.get("response_format"))
+        if calls and (formats[0] is not None or formats[1] not in (None, ResponseFormat(type="text"))):
+            raise ValueError("tool calls have their own format: send it without response_format or structured_outputs")
+        if calls and (error := format_error(cls._tool_calls(info.data.get("tools"), value, True).output_format)):
+            raise ValueError(f"a tool's parameters do not compile: {error.strip()}")
+        return value
+
+    @staticmethod
+    def _tool_calls(tools: list[Tool] | None, choice: Any, parallel: bool) -> ToolChoice | None:
+        if not tools or choice not in ("required",) and not isinstance(choice, NamedToolChoice):
+            return None
+        schemas = {t.function.name: t.function.parameters or NO_PARAMETERS for t in tools}
+        return ToolChoice(schemas, choice.function.name if isinstance(choice, NamedToolChoice) else None, parallel)
+
+    @property
+    def tool_calls(self) -> ToolChoice | None:
+        """The calls the request asks for, decoded under their schemas; None: an ordinary answer."""
+        return self._tool_calls(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    @property
+    def output_format(self) -> OutputFormat | None:
+        calls = self.tool_calls
+        return calls.output_format if calls is not None else super().output_format
 
     @field_validator("top_logprobs")
     @classmethod
@@ -502,9 +580,32 @@ class CompletionResponse(BaseModel):
     speculation: SpeculationInfo | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCall):
+    index: int  # which of the choice's calls
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_only_when_made(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -527,10 +628,11 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
-    @model_serializer
-    def _without_nulls(self) -> dict[str, str]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

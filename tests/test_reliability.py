@@ -84,7 +84,12 @@ def _worker_status() -> dict:
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": -1}, "logprobs"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "nope"}}}], "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "file_search"}], "tool_choice": "required"}, "tools[0].type"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "yaml"}}, "response_format.type"),
     ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),

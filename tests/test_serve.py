@@ -388,6 +388,53 @@ def test_structured_outputs_match_their_format(client, base_url: str) -> None:
     assert re.fullmatch(r"[1-9] \+ [1-9]", lark.json()["choices"][0]["text"]), lark.text
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+NOW = {"type": "function", "function": {"name": "now"}}  # no parameters
+
+
+def test_tool_calls_named_and_required_streamed_and_not(client) -> None:
+    """Tool calls decoded under their schemas: a named function's arguments, or "required" calls of
+    any tool; the openai client parses both, streamed (the calls whole in the last chunk) or not."""
+    common = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 40,
+              "temperature": 0, "tools": [WEATHER, NOW]}
+    named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           **common)
+    choice = named.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("C", "F")
+    drafted = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                             extra_body={"speculation": {"drafter": "self", "draft_len": 3}},
+                                             **common)
+    assert drafted.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+
+    required = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **common).choices[0]
+    assert required.finish_reason in ("tool_calls", "length")
+    if required.finish_reason == "tool_calls":
+        (call,) = required.message.tool_calls  # parallel_tool_calls false: exactly one
+        assert call.function.name in ("get_weather", "now") and isinstance(json.loads(call.function.arguments), dict)
+    else:  # max_tokens cut the array short: the text, unparsed
+        assert required.message.tool_calls is None and required.message.content.startswith("[")
+
+    chunks = list(client.chat.completions.create(
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True, **common))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant" and all(d.tool_calls is None for d in deltas[:-1])
+    (streamed,) = deltas[-1].tool_calls
+    assert streamed.index == 0 and streamed.function.arguments == arguments_text(named)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    plain = client.chat.completions.create(tool_choice="none", **common).choices[0]
+    assert plain.message.tool_calls is None and plain.message.content
+
+
+def arguments_text(response) -> str:
+    return response.choices[0].message.tool_calls[0].function.arguments
+
+
 def test_draft_len_and_seeded_sampling(base_url: str) -> None:
     r = _chat(base_url, speculation={"drafter": "self", "draft_len": 2}, **GREEDY).json()
     assert r["speculation"]["draft_len"] == 2 and len(r["speculation"]["acceptance_histogram"]) <= 2
@@ -473,6 +520,10 @@ LONG_PROMPT = "lorem ipsum " * 600  # > 1024 tokens, the tiny config's max_model
     ("completions", {}, "prompt"),
     ("completions", {"prompt": "hi", "stop": 3}, "stop"),
     ("chat", {"prediction": "x"}, "prediction"),
+    ("chat", {"tools": [WEATHER]}, "tool_choice"),
+    ("chat", {"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),
     ("completions", {"prompt": "hi", "structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),

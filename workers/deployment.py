@@ -68,6 +68,7 @@ class GenerateRequest:
     # the first chunk starts with the prompt (a raw text) and, with logprobs, its tokens' logprobs
     echo: bool = False
     output_format: OutputFormat | None = None  # what the output must match (workers/structured.py)
+    tools: list[dict[str, Any]] | None = None  # OpenAI's tool definitions, for a chat template that renders them
 
     @property
     def prompt_param(self) -> str:
@@ -347,7 +348,7 @@ class TargetWorker:
             text = slot.prompt_text = engine.tokenizer.decode(prompt_ids)
         else:
             try:
-                prompt_ids = engine.encode(r.prompt, chat=isinstance(r.prompt, list))
+                prompt_ids = engine.encode(r.prompt, chat=isinstance(r.prompt, list), tools=r.tools)
             except Exception as e:  # e.g. a chat template that refuses the roles given
                 raise RequestError(f"cannot tokenize the prompt: {e}", r.prompt_param) from None
             slot.prompt_text = r.prompt if isinstance(r.prompt, str) else ""

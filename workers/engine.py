@@ -536,12 +536,15 @@ class SpecEngine:
         """Tokens' text and bytes, for the logprobs requests ask for."""
         return TokenText(self.target.tokenizer)
 
-    def encode(self, prompt: str | list[dict[str, str]], *, chat: bool = True) -> list[int]:
-        """Token ids of a prompt; a string is wrapped as one user message when chat is True."""
+    def encode(self, prompt: str | list[dict[str, str]], *, chat: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a prompt; a string is wrapped as one user message when chat is True. `tools`:
+        OpenAI's tool definitions, for a chat template that renders them."""
         tok = self.target.tokenizer
         if isinstance(prompt, list) or (chat and tok.chat_template):
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+            return list(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False))
         return tok.encode(prompt)
 
     def encode_text(self, text: str) -> list[int]:
