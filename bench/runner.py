@@ -109,10 +109,10 @@ def run_concurrency_bench(args: BenchArgs) -> dict:
     gguf = gguf_file(args.config.target)
     methods = check_concurrency_methods(args.methods, [d.name for d in args.config.drafters], args.llama_cpp, gguf)
     prompts = load_prompts(args.prompts, args.per_category, args.categories, args.heldout_mod)
+    check_formats(prompts, methods, [*PLAIN_METHODS, ROUTER_METHOD, *(d.name for d in args.config.drafters)])
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     engine = SpecEngine.from_config(args.config)
     prompt_ids = encode_checked(engine, prompts, params)
-    check_formats(prompts, methods, [*PLAIN_METHODS, ROUTER_METHOD, *(d.name for d in args.config.drafters)])
     requests = [Request(p, prompt_ids[p.question_id], None if params.greedy else args.seed + i,
                         tuple(engine.encode_text(p.prediction or "")), p.output_format)
                 for i, p in enumerate(prompts)]
