@@ -598,6 +598,39 @@ def test_a_cheap_drafter_tried_first_takes_only_the_steps_it_proposes_on(
             assert "ngram" in result.drafters
 
 
+def test_a_later_try_that_repeats_the_leading_draft_and_goes_on_takes_the_step(
+    engine: SpecEngine, prompts: list[list[int]],
+) -> None:
+    """Two cheap drafters that propose the same run, one asked for more of it: the longer draft
+    takes the step (the same tokens first), the other is scored as a shadow from the start; a
+    later draft that is not longer, or says something else, leaves the lead alone."""
+    from workers.drafters.ngram import NgramDrafter
+
+    both = with_drafters(engine, long=NgramDrafter(NgramDrafterConfig(name="long")))
+    repeat = prompts[-1]  # ends with "one two": lookup proposes at once
+    gen = both.start(repeat, greedy(8))
+    cheap = CheapDrafters(gen, ("ngram", "long"))
+    stats = gen.run(cheap.order(choice("perturbed", 3, [FirstTry("ngram", 2), FirstTry("long", 4)])))
+    assert stats.drafter == "long" and stats.draft_len == 4 and stats.num_draft_tokens > 2
+    shadows = {s.drafter: s for s in cheap.scores()}
+    assert shadows["ngram"].start == 0 and shadows["ngram"].num_proposed > 2  # its whole proposal, scored
+    gen.close()
+    gen = both.start(repeat, greedy(8))
+    stats = gen.run(CheapDrafters(gen, ("ngram", "long")).order(
+        choice("perturbed", 3, [FirstTry("long", 4), FirstTry("ngram", 2)])))
+    assert stats.drafter == "long" and stats.draft_len == 4
+    gen.close()
+    for prompt in prompts:  # lossless whichever runs
+        gen = both.start(prompt, greedy(40))
+        cheap = CheapDrafters(gen, ("ngram", "long"))
+        while not gen.finished:
+            gen.run(cheap.order(choice("perturbed", 3, [FirstTry("ngram", 2), FirstTry("long", 5)])))
+        result = gen.result()
+        gen.close()
+        assert_same_output(result, plain(both, prompt, greedy(40)))
+        check_step_accounting(result, prompt)
+
+
 def test_sampled_switching_is_reproducible(engine: SpecEngine, prompts: list[list[int]]) -> None:
     params = SamplingParams(max_tokens=40, temperature=0.9, top_k=50, seed=7)
     a, _ = run_schedule(engine, prompts[0], params)

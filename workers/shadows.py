@@ -63,27 +63,40 @@ class CheapDrafters:
 
     def order(self, choice: StepChoice) -> StepOrder:
         """The step for `choice`: the first of `choice.first` that proposes drafts it, else the
-        choice's drafter. A shadow drafter that drafts is asked for max_draft_len tokens (what lies
-        past its k is scored as a shadow); the shadows the step does not ask propose alongside."""
+        choice's drafter; a later try whose draft repeats the leading draft and goes on past it
+        drafts instead (the same tokens first, more after). A shadow drafter that drafts is asked
+        for max_draft_len tokens (what lies past its k is scored as a shadow); the shadows the step
+        does not run propose alongside."""
         gen = self.gen
         context_len = len(gen.ctx.token_ids)
         order = StepOrder(choice.drafter, choice.draft_len)
-        asked: set[str] = set()
+        asked: dict[str, tuple[int, Draft | None, list[int]]] = {}  # name -> (k, draft, whole proposal)
+        lead: str | None = None
         t0 = time.perf_counter()
         for t in choice.first:
             if not (n := gen.clip(t.draft_len)):
                 continue
-            asked.add(t.drafter)
-            lead = self._propose(t.drafter, n, context_len)
-            if lead is not None and lead.token_ids.numel():
-                order = StepOrder(t.drafter, n, lead)
-                break
-            if lead is not None and t.drafter in self.shadow:  # proposed nothing: a silent step of its own
-                self._pending.append(_Pending(t.drafter, context_len, 0, []))
-        if order.draft is None and order.drafter in self.shadow and (k := gen.clip(order.draft_len)):
-            asked.add(order.drafter)
-            order = StepOrder(order.drafter, k, self._propose(order.drafter, k, context_len))
+            draft, proposal = self._ask(t.drafter, n)
+            asked[t.drafter] = (n, draft, proposal)
+            if draft is None or not draft.token_ids.numel():
+                continue
+            if lead is None or _extends(draft, asked[lead][1]):
+                lead = t.drafter
+        if lead is not None:
+            n, draft, _ = asked[lead]
+            order = StepOrder(lead, n, draft)
+        elif choice.drafter in self.shadow and (k := gen.clip(choice.draft_len)):
+            draft, proposal = self._ask(choice.drafter, k)
+            asked[choice.drafter] = (k, draft, proposal)
+            order = StepOrder(choice.drafter, k, draft)
         order = StepOrder(order.drafter, order.draft_len, order.draft, time.perf_counter() - t0)
+        for name, (k, draft, proposal) in asked.items():  # what each asked shadow said beside the step
+            if name not in self.shadow or draft is None or draft.tree is not None:
+                continue
+            if name != order.drafter:  # proposed nothing (a silent step of its own) or did not run
+                self._pending.append(_Pending(name, context_len, 0, proposal))
+            elif len(proposal) > k:  # the step recorded its first k
+                self._pending.append(_Pending(name, context_len, k, proposal))
         for name in self.shadow:  # the cheap drafters this step did not ask are scored all the same
             if name not in asked and (draft := gen.propose(name, gen.engine.config.max_draft_len)) is not None:
                 self._pending.append(_Pending(name, context_len, 0, draft.token_ids.tolist()))
@@ -102,15 +115,22 @@ class CheapDrafters:
         self._pending = undecided
         return tuple(done)
 
-    def _propose(self, name: str, k: int, context_len: int) -> Draft | None:
-        """`name`'s draft of up to k tokens (None: it failed). A shadow drafter is asked for
-        max_draft_len: what lies past k is scored like a shadow."""
+    def _ask(self, name: str, k: int) -> tuple[Draft | None, list[int]]:
+        """`name`'s draft of up to k tokens (None: it failed) and its whole proposal: a shadow
+        drafter is asked for max_draft_len, and what lies past k is scored like a shadow."""
         if name not in self.shadow:
-            return self.gen.propose(name, k)
+            draft = self.gen.propose(name, k)
+            return draft, [] if draft is None or draft.tree is not None else draft.token_ids.tolist()
         draft = self.gen.propose(name, self.gen.engine.config.max_draft_len)
         if draft is None or draft.tree is not None:
-            return draft
+            return draft, []
         proposal = draft.token_ids.tolist()
-        if len(proposal) > k:
-            self._pending.append(_Pending(name, context_len, k, proposal))
-        return Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
+        return Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k]), proposal
+
+
+def _extends(draft: Draft, lead: Draft | None) -> bool:
+    """`draft` is a chain that repeats `lead`'s tokens and goes on past them."""
+    if lead is None or draft.tree is not None or lead.tree is not None:
+        return False
+    n = lead.token_ids.shape[0]
+    return draft.token_ids.shape[0] > n and bool((draft.token_ids[:n] == lead.token_ids).all())
