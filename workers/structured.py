@@ -95,10 +95,11 @@ class Grammars:
         return Guide(self._matcher(fmt).deep_copy(), self.vocab_size, stop_ids)
 
     def _compile(self, fmt: OutputFormat) -> llguidance.LLMatcher:
-        if (error := format_error(fmt, self.tokenizer)) is not None:
-            raise ValueError(error)
-        matcher = llguidance.LLMatcher(self.tokenizer, fmt.grammar(), log_level=0)
-        if matcher.is_error():
+        try:
+            matcher = llguidance.LLMatcher(self.tokenizer, fmt.grammar(), log_level=0)
+        except Exception as e:  # as in format_error: what a client's format makes the compiler raise
+            raise ValueError(str(e) or type(e).__name__) from None
+        if matcher.is_error():  # a grammar the matcher refuses: its message, as validate_grammar's
             raise ValueError(matcher.get_error())
         return matcher
 
