@@ -75,8 +75,9 @@ class BenchArgs:
     rounds: int = 1  # under concurrency: runs of each method per level, the fastest reported
 
 
-def check_formats(prompts: Sequence[BenchPrompt], methods: Sequence[str], ours: Sequence[str]) -> None:
+def check_formats(prompts: Sequence[BenchPrompt], methods: Sequence[str], config: EngineConfig) -> None:
     """A workload whose prompts carry a `response_format` runs only methods that apply it (ours)."""
+    ours = {*PLAIN_METHODS, ROUTER_METHOD, *(d.name for d in config.drafters)}
     if any(p.response_format is not None for p in prompts) and (peers := [m for m in methods if m not in ours]):
         raise ValueError(f"{', '.join(peers)}: these methods do not apply the prompts' response_format")
 
@@ -109,7 +110,7 @@ def run_concurrency_bench(args: BenchArgs) -> dict:
     gguf = gguf_file(args.config.target)
     methods = check_concurrency_methods(args.methods, [d.name for d in args.config.drafters], args.llama_cpp, gguf)
     prompts = load_prompts(args.prompts, args.per_category, args.categories, args.heldout_mod)
-    check_formats(prompts, methods, [*PLAIN_METHODS, ROUTER_METHOD, *(d.name for d in args.config.drafters)])
+    check_formats(prompts, methods, args.config)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     engine = SpecEngine.from_config(args.config)
     prompt_ids = encode_checked(engine, prompts, params)
@@ -165,7 +166,7 @@ def run_bench(args: BenchArgs) -> dict:
                            file_order=args.file_order)
     if args.prime >= len(prompts):
         raise ValueError(f"--prime {args.prime} leaves none of the {len(prompts)} selected prompts to time")
-    check_formats(prompts, methods, [*PLAIN_METHODS, ROUTER_METHOD, *(d.name for d in args.config.drafters)])
+    check_formats(prompts, methods, args.config)
     policy = load_policy(args.routing.policy_path()) if ROUTER_METHOD in methods else None
     engine = SpecEngine.from_config(args.config)
     prompt_ids = encode_checked(engine, prompts, params)

@@ -17,7 +17,7 @@ from bench.methods import check_methods
 from bench.prompts import load_prompts
 from bench.records import RunRecord
 from bench.report import TABLE_HEADER, mismatch_section
-from bench.runner import BenchArgs, run_bench
+from bench.runner import BenchArgs, check_formats, run_bench
 from bench.summary import OVERALL, summarize
 from workers.config import EngineConfig, NgramDrafterConfig, PredictionDrafterConfig, SuffixDrafterConfig
 
@@ -417,3 +417,14 @@ def test_verify_curve_keeps_each_k_fastest_forward(monkeypatch: pytest.MonkeyPat
     assert curve["ks"] == [0, 1, 4]
     assert curve["step_s"] == pytest.approx([1e-3, 2e-3, 5e-3], abs=1e-8)
     assert curve["ratio"] == pytest.approx([1.0, 2.0, 5.0], rel=1e-5)
+
+
+def test_a_workload_with_formats_runs_our_methods_only() -> None:
+    """structured.jsonl's lines carry response_format, which the peers would ignore: refused by name."""
+    prompts = load_prompts(Path(__file__).resolve().parents[1] / "bench/workloads/structured.jsonl", 1)
+    assert all(p.output_format is not None and p.output_format.kind == "json" for p in prompts)
+    config = EngineConfig(drafters=[NgramDrafterConfig()])
+    check_formats(prompts, ["plain", "ngram", "router", "plain-serial"], config)
+    with pytest.raises(ValueError, match="hf-pld"):
+        check_formats(prompts, ["plain", "hf-pld"], config)
+    check_formats([replace(p, response_format=None) for p in prompts], ["plain", "hf-pld"], config)
