@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -438,7 +438,8 @@ class CountHistogram:
 @dataclass(frozen=True)
 class BatchingStats:
     """A replica's continuous batching: queue lengths now, and per step since it started the
-    requests in the forward, the rows it ran, the tokens it emitted and its seconds."""
+    requests in the forward, the rows it ran, the tokens it emitted and its seconds; its prefix
+    cache's prompt tokens placed and found (vLLM's queries and hits) and the tokens it holds now."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -446,6 +447,9 @@ class BatchingStats:
     step_tokens: CountHistogram = CountHistogram(STEP_TOKENS_BUCKETS)
     num_emitted: int = 0
     step_s: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_held_tokens: int = 0
 
     @property
     def goodput(self) -> float | None:
@@ -456,20 +460,30 @@ class BatchingStats:
     def mean_batch_size(self) -> float | None:
         return self.batch_size.total / self.batch_size.count if self.batch_size.count else None
 
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """The share of prompt tokens found in the prefix cache."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else None
+
     def step(self, batch_size: int, num_rows: int, num_emitted: int, step_s: float) -> BatchingStats:
-        return BatchingStats(self.num_running, self.num_waiting, self.batch_size.observe(batch_size),
-                             self.step_tokens.observe(num_rows), self.num_emitted + num_emitted, self.step_s + step_s)
+        return replace(self, batch_size=self.batch_size.observe(batch_size),
+                       step_tokens=self.step_tokens.observe(num_rows), num_emitted=self.num_emitted + num_emitted,
+                       step_s=self.step_s + step_s)
 
     def __add__(self, other: BatchingStats) -> BatchingStats:
         return BatchingStats(self.num_running + other.num_running, self.num_waiting + other.num_waiting,
                              self.batch_size + other.batch_size, self.step_tokens + other.step_tokens,
-                             self.num_emitted + other.num_emitted, self.step_s + other.step_s)
+                             self.num_emitted + other.num_emitted, self.step_s + other.step_s,
+                             self.prefix_queries + other.prefix_queries, self.prefix_hits + other.prefix_hits,
+                             self.prefix_held_tokens + other.prefix_held_tokens)
 
     def to_json(self) -> dict[str, Any]:
         return {"num_running": self.num_running, "num_waiting": self.num_waiting,
                 "batch_size": [list(self.batch_size.counts), self.batch_size.total],
                 "step_tokens": [list(self.step_tokens.counts), self.step_tokens.total],
-                "num_emitted": self.num_emitted, "step_s": self.step_s}
+                "num_emitted": self.num_emitted, "step_s": self.step_s,
+                "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
+                "prefix_held_tokens": self.prefix_held_tokens}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> BatchingStats:
@@ -477,4 +491,5 @@ class BatchingStats:
         return cls(int(data["num_running"]), int(data["num_waiting"]),
                    CountHistogram(BATCH_SIZE_BUCKETS, tuple(bs), float(bs_total)),
                    CountHistogram(STEP_TOKENS_BUCKETS, tuple(st), float(st_total)),
-                   int(data["num_emitted"]), float(data["step_s"]))
+                   int(data["num_emitted"]), float(data["step_s"]),
+                   int(data["prefix_queries"]), int(data["prefix_hits"]), int(data["prefix_held_tokens"]))

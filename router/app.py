@@ -73,6 +73,7 @@ from router.schemas import (
     GenerationRequestBase,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     SpeculationInfo,
     ToolCall,
     ToolCallDelta,
@@ -331,8 +332,9 @@ def _usage(results: list[GenerationResult], n: int) -> Usage:
         accepted_prediction_tokens=sum(p.accepted for p in predicted),
         rejected_prediction_tokens=sum(p.rejected for p in predicted),
     ) if predicted else None
+    cached = PromptTokensDetails(cached_tokens=sum(r.num_cached_tokens for r in results[::n]))
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 completion_tokens_details=details)
+                 prompt_tokens_details=cached, completion_tokens_details=details)
 
 
 def _tool_call(call: Call) -> ToolCall:

@@ -137,6 +137,15 @@ class SpecRouteCollector:
             family = HistogramMetricFamily(f"{PREFIX}{name}", help_)
             family.add_metric([], _cumulative(hist.edges, hist.counts), hist.total)
             yield family
+        queries = CounterMetricFamily(f"{PREFIX}prefix_cache_queries", "Prompt tokens of the requests admitted")
+        queries.add_metric([], b.prefix_queries)
+        hits = CounterMetricFamily(f"{PREFIX}prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache, not prefilled")
+        hits.add_metric([], b.prefix_hits)
+        held = GaugeMetricFamily(f"{PREFIX}prefix_cache_tokens",
+                                 "Positions finished requests keep in free KV slots")
+        held.add_metric([], b.prefix_held_tokens)
+        yield from (queries, hits, held)
         if (goodput := b.goodput) is not None:
             gauge = GaugeMetricFamily(f"{PREFIX}goodput_tokens_per_second",
                                       "Tokens emitted per second of target steps, since the replicas started")

@@ -476,10 +476,15 @@ class CompletionTokensDetails(BaseModel):
     rejected_prediction_tokens: int
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens found in the prefix cache, not prefilled (workers/prefix.py)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
     completion_tokens_details: CompletionTokensDetails | None = None  # with a `prediction` only
 
 

@@ -103,7 +103,9 @@ def stats_json(obs: Observation) -> dict[str, Any]:
         "series": series(obs),
         "batching": {"num_running": obs.batching.num_running, "num_waiting": obs.batching.num_waiting,
                      "mean_batch_size": obs.batching.mean_batch_size,
-                     "goodput_tokens_per_s": obs.batching.goodput},
+                     "goodput_tokens_per_s": obs.batching.goodput,
+                     "prefix_cache_hit_rate": obs.batching.prefix_hit_rate,
+                     "prefix_cache_tokens": obs.batching.prefix_held_tokens},
         "suffix_caches": {name: {"tokens": dict(m.tokens), "max_tokens": m.max_tokens}
                           for name, m in obs.traffic_memory.items()},
     }

@@ -171,7 +171,9 @@ def base_url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory
         pytest.skip(f"no Redis at {REDIS_URL}: {e}")
     prefix = f"test-metrics-{uuid.uuid4().hex[:10]}"
     try:
-        config = tiny_config.model_copy(update={"drafters": [*tiny_config.drafters, SuffixDrafterConfig()]})
+        scheduler = tiny_config.scheduler.model_copy(update={"enable_prefix_caching": True})
+        config = tiny_config.model_copy(update={"drafters": [*tiny_config.drafters, SuffixDrafterConfig()],
+                                                "scheduler": scheduler})
         with serve_tiny_app(config, tmp_path_factory.mktemp("serve"), MODEL, num_replicas=2,
                             stats_url=REDIS_URL, stats_prefix=prefix, admin_token=TOKEN) as url:
             yield url
@@ -296,6 +298,12 @@ def test_batching_metrics_count_the_steps(base_url: str, traffic: list[dict]) ->
     assert rows["specroute_step_tokens_sum"] >= completion  # each emitted token had a row in some step
     assert sizes["specroute_batch_size_sum"] >= sizes["specroute_batch_size_count"]
     assert fams["specroute_goodput_tokens_per_second"][0].value > 0
+    # the prefix caches: every prompt token queried, the cached ones (the chat template's shared
+    # system prompt, at least) as the responses count them
+    queries, hits = fams["specroute_prefix_cache_queries"][0].value, fams["specroute_prefix_cache_hits"][0].value
+    assert queries == sum(r["usage"]["prompt_tokens"] for r in RESPONSES)
+    assert 0 < hits == sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in RESPONSES) < queries
+    assert fams["specroute_prefix_cache_tokens"][0].value > 0
 
 
 def test_suffix_cache_size_is_reported(base_url: str, traffic: list[dict]) -> None:

@@ -249,9 +249,12 @@ def test_logit_bias_and_penalties(base_url: str, tiny_llama_dir: Path) -> None:
 
 
 def test_n_choices_streamed_and_not(client) -> None:
-    """Choice i draws from seed + i: each equals a single request with that seed, streamed alike."""
+    """Choice i draws from seed + i: each equals a single request with that seed, streamed alike.
+    Four tokens share the mass (a bias), so a float32 row's last bits, which differ between a
+    batch of three and one alone, cannot move a draw across a token's boundary."""
     common = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": 16,
-              "temperature": 1.0, "extra_body": {"ignore_eos": True, "speculation": {"drafter": "none"}}}
+              "temperature": 1.0, "logit_bias": {str(t): 100 for t in range(1000, 1004)},
+              "extra_body": {"ignore_eos": True, "speculation": {"drafter": "none"}}}
     full = client.chat.completions.create(n=3, seed=7, **common)
     assert [c.index for c in full.choices] == [0, 1, 2]
     texts = [c.message.content for c in full.choices]

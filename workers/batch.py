@@ -15,7 +15,9 @@ Each step then:
   3. one target forward (`forward_batch`) runs every row; verification, KV rollback, emission
      and the drafters' commits then run per request (`Generation.complete`).
 Finished requests leave `running` and give their slot back at once; their owner reads their
-result and closes them.
+result and closes them. With prefix caching (workers/prefix.py) a finished request's slot keeps
+its sequence, and an admitted request starts with the longest prefix of its prompt the pool
+holds, prefilling only the rest.
 
 What each request drafts is the caller's choice, made per step (`orders`): the router's goodput
 rule lives in workers/routing.py and policies/batching.py, not here.
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from workers.drafters.base import BatchDrafter
 from workers.engine import Generation, PreparedStep, SpecEngine, StepOrder, StepStats
 from workers.models.base import BatchedLM, ForwardOutput, SeqInput, forward_rows, synchronize
+from workers.prefix import LiveSequence, PrefixCache
 from workers.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,12 @@ class BatchEngine:
             # an accelerator's pool is allocated whole (a CPU's is mapped as it is written)
             num_slots = max(1, min(num_slots, self.kv_cache_tokens // engine.max_model_len))
         self.pool = model.new_pool(num_slots, engine.max_model_len) if isinstance(model, BatchedLM) else None
+        caching = self.config.enable_prefix_caching
+        if caching is None:  # reuse changes no output where the target scores rows alike however computed
+            caching = model.batch_invariant
+        if caching and self.pool is None:
+            log.warning("enable_prefix_caching: this target runs without a KV pool (backend 'hf'); no prefix caching")
+        self.prefix = PrefixCache(self.pool) if caching and self.pool is not None else None
         self.waiting: deque[Generation] = deque()
         self.running: list[Generation] = []
 
@@ -151,7 +160,7 @@ class BatchEngine:
                 continue
             if gen.finished:
                 self.running.remove(gen)
-                gen.release_cache()  # its slot serves a waiting request from the next step on
+                self._release(gen)  # its slot serves a waiting request from the next step on
         for (gen, n), result in zip(chunks, results[len(prepared) :]):
             gen.complete_prefill(n, result, out.forward_s)
             out.prefilled.append((gen, n))
@@ -202,8 +211,41 @@ class BatchEngine:
             gen = self.waiting.popleft()
             if gen.closed:
                 continue
-            gen.attach(self.pool.allocate() if self.pool is not None else gen.model.new_cache(gen.ctx.max_len))
+            if self.prefix is not None:
+                self._attach_reusing(gen)
+            else:
+                gen.attach(self.pool.allocate() if self.pool is not None else gen.model.new_cache(gen.ctx.max_len))
             self.running.append(gen)
+
+    def _attach_reusing(self, gen: Generation) -> None:
+        """Start `gen` with the longest prefix of its prompt the pool holds (none for a request
+        that scores its prompt: every prompt row's logits are asked for), then keep the held
+        prefixes within the KV memory the running requests leave."""
+        assert self.prefix is not None
+        reusable = [] if gen.prompt_logprobs is not None else gen.ctx.token_ids[: gen.num_prompt - 1]
+        live = [LiveSequence(g.cache.slot, g.ctx.token_ids[: self._reusable(g)], g.ctx.features)
+                for g in self.running if g.cache is not None]
+        reuse = self.prefix.plan(reusable, live)
+        gen.attach(self.prefix.claim(reuse, gen.num_prompt), reuse.features)
+        if self.kv_cache_tokens is not None:
+            self.prefix.evict(self.kv_cache_tokens - self.num_reserved_tokens - gen.ctx.max_len)
+
+    def _reusable(self, gen: Generation) -> int:
+        """How many of a request's positions another prompt may reuse exactly: all it holds, or
+        where prompt rows take other kernels than scored ones, those its prompt rows computed (a
+        request scoring its prompt computes them as scored rows: none)."""
+        assert gen.cache is not None
+        if self.engine.target.model.prompt_rows_as_scored:
+            return gen.cache.length
+        return 0 if gen.prompt_logprobs is not None else min(gen.cache.length, gen.num_prompt - 1)
+
+    def _release(self, gen: Generation) -> None:
+        """Free a finished request's slot; with prefix caching what it may share stays there."""
+        if self.prefix is None or gen.cache is None:
+            gen.release_cache()
+            return
+        keep = self._reusable(gen)
+        self.prefix.release(gen.detach_cache(), gen.ctx.token_ids[:keep], gen.ctx.features)
 
     def _forward(self, inputs: Sequence[SeqInput]) -> list[ForwardOutput]:
         return forward_rows(self.engine.target.model, inputs, self.engine.needs_hidden_states)

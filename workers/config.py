@@ -265,6 +265,11 @@ class SchedulerConfig(_Strict):
     kv_cache_gib: float = Field(
         4.0, gt=0, description="KV cache of all running requests together; a request holds prompt + "
                                "max_tokens positions from admission on, and waits while they do not fit")
+    enable_prefix_caching: bool | None = Field(
+        None, description="a prompt that starts like a sequence the KV cache holds (a running request's, or a "
+                          "finished one's, kept in its free slot until the slot or memory is needed) reuses its "
+                          "keys and values instead of prefilling them; null: on where the target scores rows "
+                          "bit for bit alike however batched (weights int4 or bfloat16), so outputs do not change")
 
 
 class EngineConfig(_Strict):

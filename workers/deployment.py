@@ -254,7 +254,8 @@ class TargetWorker:
             "measured_speedup": {domain: measured_speedup(window, domain) for domain in policy.domains},
             "store": asdict(store.health()),
             "batching": replace(self.batching, num_running=self.batch.num_running,
-                                num_waiting=self.batch.num_waiting + len(self._pending)).to_json(),
+                                num_waiting=self.batch.num_waiting + len(self._pending),
+                                **self._prefix_cache()).to_json(),
             "traffic_memory": {d.name: asdict(d.memory()) for d in self.engine.learners},
         }
         if include_series:
@@ -264,6 +265,14 @@ class TargetWorker:
                 for p in store.series(policy.window.seconds)
             ]
         return out
+
+    def _prefix_cache(self) -> dict[str, int]:
+        """The prefix cache's counters for BatchingStats (zeros without one)."""
+        prefix = self.batch.batch.prefix
+        if prefix is None:
+            return {}
+        return {"prefix_queries": prefix.num_queried_tokens, "prefix_hits": prefix.num_hit_tokens,
+                "prefix_held_tokens": prefix.num_held_tokens}
 
     def set_policy(self, policy: dict[str, Any]) -> PolicyResult:
         """Validate and swap in a policy (a parsed YAML/JSON mapping); a bad one is refused with

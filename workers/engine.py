@@ -135,6 +135,7 @@ class Generation:
         self.prefill_s = 0.0
         self.ttft_s: float | None = None
         self.num_prefilled = 0  # prompt tokens in the cache; the last one runs in the first step
+        self.num_cached = 0  # of those, the ones found there (a reused prefix), not run
         if prefill:
             self._prefill()
 
@@ -147,13 +148,28 @@ class Generation:
     def closed(self) -> bool:
         return self._closed
 
-    def attach(self, cache: KVCache) -> None:
-        """The cache this request runs in, from the scheduler's pool; prefilled by chunks."""
+    def attach(self, cache: KVCache, features: torch.Tensor | None = None) -> None:
+        """The cache this request runs in, from the scheduler's pool; prefilled by chunks. A cache
+        that holds positions already holds the prompt's first tokens (a reused prefix,
+        workers/prefix.py), with the target's hidden states there in `features` where drafters
+        read them."""
         if self.cache is not None:
             raise RuntimeError("this generation has a cache already")
         if cache.capacity < self.ctx.max_len:
             raise ValueError(f"a cache of {cache.capacity} positions cannot hold {self.ctx.max_len}")
+        if (cached := cache.length) > self.num_prompt - 1:
+            raise ValueError(f"a cache holding {cached} positions for a prompt of {self.num_prompt}")
+        if cached and self.ctx.features is not None:
+            if features is None or features.shape[0] < cached:
+                raise ValueError(f"the target's hidden states at the {cached} positions reused are missing")
+            self.ctx.features[:cached] = features[:cached]
         self.cache = cache
+        self.num_prefilled = self.num_cached = cached
+
+    def detach_cache(self) -> KVCache | None:
+        """Take the request's cache away (the scheduler frees its slot, keeping its prefix)."""
+        cache, self.cache = self.cache, None
+        return cache
 
     @property
     def num_prompt(self) -> int:
@@ -356,6 +372,7 @@ class Generation:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
             prediction=self._prediction_tokens() if self.params.prediction else None,
+            num_cached_tokens=self.num_cached,
         )
 
     def _prediction_tokens(self) -> PredictionTokens:

@@ -136,6 +136,7 @@ class GenerationResult:
     # one per prompt token (the first without a logprob), when the request asked (`prompt_logprobs`)
     prompt_logprobs: list[TokenLogprobs] | None = None
     prediction: PredictionTokens | None = None  # when the request predicted its output
+    num_cached_tokens: int = 0  # prompt tokens whose keys and values were reused, not prefilled (workers/prefix.py)
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -80,6 +80,9 @@ class CausalLM(Protocol):
     # every row scored bit for bit as alone, in a chain or a batch (compact weights,
     # workers/models/llama.py); a tree's off-chain nodes are not (workers/verify.py)
     batch_invariant: bool
+    # a prompt row (one that only fills the cache) computes its keys and values as a scored row
+    # would; False where prompt rows take other kernels (int4 weights' dense copy, workers/models/quant.py)
+    prompt_rows_as_scored: bool
 
     def new_cache(self, capacity: int) -> KVCache: ...
 
@@ -117,6 +120,16 @@ def forward_each(model: CausalLM, inputs: Sequence[SeqInput], return_hidden: boo
     return outs
 
 
+class PooledKVCache(KVCache, Protocol):
+    """A sequence's cache that is one slot of a KV pool."""
+
+    slot: int
+
+    def extend(self, n: int) -> None:
+        """Count n more positions as held (written already)."""
+        ...
+
+
 class KVPoolLike(Protocol):
     """Slots of one shared KV memory, one sequence each (FastLlama's KVPool)."""
 
@@ -128,9 +141,24 @@ class KVPoolLike(Protocol):
         """Positions per slot."""
         ...
 
-    def allocate(self) -> KVCache: ...
+    @property
+    def free_slots(self) -> list[int]: ...
 
-    def release(self, cache: KVCache) -> None: ...
+    def allocate(self, slot: int | None = None) -> PooledKVCache:
+        """The lowest free slot, or `slot`, as an empty cache."""
+        ...
+
+    def release(self, cache: PooledKVCache, keep: int = 0) -> None:
+        """Give the slot back, keeping its first `keep` positions for a later sequence to reuse."""
+        ...
+
+    def forget(self, slot: int, start: int = 0) -> None:
+        """Drop what a free slot holds from position `start` on."""
+        ...
+
+    def copy_prefix(self, src_slot: int, cache: PooledKVCache, length: int) -> None:
+        """Start an empty cache with the first `length` positions slot `src_slot` holds."""
+        ...
 
 
 @runtime_checkable

@@ -32,6 +32,7 @@ class HFKVCache:
 class HFCausalLM:
     supports_tree = False  # draft trees need SpecRoute's fast Llama (workers/models/llama.py)
     batch_invariant = False
+    prompt_rows_as_scored = True
 
     def __init__(self, hf_model: PreTrainedModel, eos_token_ids: frozenset[int]) -> None:
         self.model = hf_model.eval()

@@ -116,11 +116,13 @@ class KVPool:
     a slot costs only the pages its sequence has written, and attention reads every sequence's
     keys in place (a strided view of the pool), where paged blocks need a gather per layer and
     step (docs/benchmarks.md, "Continuous batching"). Slots are handed out lowest first, so the
-    running sequences occupy a dense range and one attention call covers them all.
+    running sequences occupy a dense range and one attention call covers them all; a released
+    slot may keep a prefix of its sequence for a later one (workers/prefix.py).
 
     Attention over a group reads keys up to its longest sequence (whole blocks, for a
     row-invariant model), masked; a NaN there would stay NaN under the mask, so the pool starts
-    as zeros (`_zeros`: no memory until written) and a released slot reads zeros again."""
+    as zeros (`_zeros`: no memory until written) and a released slot reads zeros again past the
+    prefix it keeps (finite keys and values, which the mask hides as it hides zeros)."""
 
     def __init__(
         self, num_layers: int, num_slots: int, num_kv_heads: int, capacity: int, head_dim: int,
@@ -143,23 +145,55 @@ class KVPool:
     def capacity(self) -> int:
         return self.k.shape[3]
 
-    def allocate(self) -> StaticKVCache:
-        if not self._free:
-            raise RuntimeError(f"all {self.num_slots} KV slots are in use")
-        slot = heapq.heappop(self._free)
+    @property
+    def free_slots(self) -> list[int]:
+        return sorted(self._free)
+
+    def allocate(self, slot: int | None = None) -> StaticKVCache:
+        """The lowest free slot, or `slot` (free), as an empty cache: what the slot still holds
+        from an earlier sequence is only read once `copy_prefix` or `extend` counts it."""
+        if slot is None:
+            if not self._free:
+                raise RuntimeError(f"all {self.num_slots} KV slots are in use")
+            slot = heapq.heappop(self._free)
+        else:
+            if slot not in self._free:
+                raise ValueError(f"slot {slot} is not free")
+            self._free.remove(slot)
+            heapq.heapify(self._free)
         return StaticKVCache(self.k[:, slot], self.v[:, slot], self, slot)
 
-    def release(self, cache: StaticKVCache) -> None:
-        """Give the slot back, zeroed, and its memory to the system: a slot keeps no pages once
-        free, so the pool's resident size follows what the running sequences hold, not its
-        longest ever."""
+    def release(self, cache: StaticKVCache, keep: int = 0) -> None:
+        """Give the slot back. Its first `keep` positions stay as they are, a prefix a later
+        sequence may reuse (workers/prefix.py); the rest is zeroed and its memory given to the
+        system (`forget`)."""
         if cache.pool is not self or cache.slot in self._free:
             raise ValueError(f"slot {cache.slot} is not allocated from this pool")
-        for layer in range(self.k.shape[0]):
-            _zero_(self.k[layer, cache.slot])
-            _zero_(self.v[layer, cache.slot])
+        if not 0 <= keep <= cache.length:
+            raise ValueError(f"cannot keep {keep} positions of a sequence of {cache.length}")
+        self.forget(cache.slot, keep)
         heapq.heappush(self._free, cache.slot)
         cache.detach()
+
+    def forget(self, slot: int, start: int = 0) -> None:
+        """Zero positions `start` onwards of a slot, handing their pages to the system: a slot keeps
+        no pages past what it holds, so the pool's resident size follows the positions held, not
+        its longest sequence ever."""
+        for layer in range(self.k.shape[0]):
+            for kv in (self.k, self.v):
+                if start == 0:
+                    _zero_(kv[layer, slot])
+                else:  # each head's positions are contiguous
+                    for head in range(kv.shape[2]):
+                        _zero_(kv[layer, slot, head, start:])
+
+    def copy_prefix(self, src_slot: int, cache: StaticKVCache, length: int) -> None:
+        """Start an empty cache with the first `length` positions another slot holds."""
+        if cache.pool is not self or cache.length:
+            raise ValueError("copy a prefix into an empty cache of this pool")
+        self.k[:, cache.slot, :, :length] = self.k[:, src_slot, :, :length]
+        self.v[:, cache.slot, :, :length] = self.v[:, src_slot, :, :length]
+        cache.extend(length)
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -360,6 +394,8 @@ class FastLlama:
             )
             for i in range(cfg.num_hidden_layers)
         ]
+        qkv = self.layers[0].qkv if self.layers else None
+        self.prompt_rows_as_scored = not (isinstance(qkv, Int4Linear) and qkv.dense is not None)
         embed_key = "model.embed_tokens.weight"
         self.embed = sd[embed_key] if shared_embeddings else own(embed_key)  # [vocab, hidden]
         self.final_norm = own("model.norm.weight")

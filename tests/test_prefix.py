@@ -1,0 +1,215 @@
+"""Automatic prefix caching (workers/prefix.py): where a new request starts in the KV pool, and on
+the shipped int4 target, where reuse is exact, that a request's tokens, logprobs and the hidden
+states its feature drafter reads are bit for bit those it has without reuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.batch import BatchEngine
+from workers.config import PLAIN, EagleDrafterConfig, EngineConfig, NgramDrafterConfig, TargetConfig
+from workers.engine import Generation, SpecEngine, StepOrder
+from workers.models.bf16 import bfloat16_fast
+from workers.models.llama import KVPool
+from workers.prefix import LiveSequence, PrefixCache, Reuse, common_prefix_len
+from workers.sampling import SamplingParams
+
+SYSTEM = "You answer questions about the solar system in one or two plain sentences, citing no sources. " * 4
+QUESTIONS = ["Which planet is largest?", "How far is the Moon?", "What is a comet made of?"]
+
+
+def _pool(num_slots: int = 3, capacity: int = 32) -> KVPool:
+    return KVPool(2, num_slots, 1, capacity, 4, torch.float32, torch.device("cpu"))
+
+
+def _fill(pool: KVPool, tokens: list[int]) -> object:
+    """A slot holding `tokens`, its keys and values the token ids themselves."""
+    cache = pool.allocate()
+    for kv in (pool.k, pool.v):
+        kv[:, cache.slot, :, : len(tokens)] = torch.tensor(tokens, dtype=torch.float32)[None, None, :, None]
+    cache.extend(len(tokens))
+    return cache
+
+
+def test_common_prefix_len() -> None:
+    assert common_prefix_len([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix_len([1, 2], [1, 2, 3]) == 2
+    assert common_prefix_len([], [1]) == common_prefix_len([9], [1]) == 0
+
+
+def test_a_released_slot_keeps_its_prefix_and_a_continuing_prompt_takes_it_in_place() -> None:
+    pool = _pool()
+    prefix = PrefixCache(pool)
+    cache = _fill(pool, [5, 6, 7, 8])
+    slot = cache.slot
+    prefix.release(cache, [5, 6, 7, 8, 9], None)  # the last token was never run: 4 positions kept
+    assert prefix.held[slot].token_ids == [5, 6, 7, 8] and prefix.num_held_tokens == 4
+    assert pool.k[:, slot, :, 4:].abs().sum() == 0 and pool.k[:, slot, :, 3].eq(8).all()
+    reuse = prefix.plan([5, 6, 7, 8, 1, 2])  # the next turn: continues all the slot holds
+    assert reuse == Reuse(slot, 4, None, None)
+    again = prefix.claim(reuse, 7)
+    assert again.slot == slot and again.length == 4 and not prefix.held
+    assert (prefix.num_queried_tokens, prefix.num_hit_tokens) == (7, 4)
+
+
+def test_a_partial_match_is_copied_and_the_held_sequence_stays() -> None:
+    pool = _pool()
+    prefix = PrefixCache(pool)
+    first = _fill(pool, [5, 6, 7, 8])
+    prefix.release(first, [5, 6, 7, 8], None)
+    reuse = prefix.plan([5, 6, 1])  # shares two tokens: copied into the lowest empty slot
+    assert (reuse.length, reuse.source) == (2, first.slot) and reuse.slot != first.slot
+    cache = prefix.claim(reuse, 4)
+    assert cache.length == 2 and pool.k[:, cache.slot, :, :2, 0].flatten().tolist() == [5, 6] * 2
+    assert pool.k[:, cache.slot, :, 2:].abs().sum() == 0
+    assert prefix.held[first.slot].token_ids == [5, 6, 7, 8]  # still there for the conversation's next turn
+    # a running sequence is a source too: a third prompt copies the longer prefix it shares with it
+    live = LiveSequence(cache.slot, [5, 6, 1], None)
+    third = prefix.plan([5, 6, 1, 3], [live])
+    assert (third.length, third.source) == (3, cache.slot)
+
+
+def test_slots_go_to_empty_ones_first_then_the_least_recently_used_held() -> None:
+    pool = _pool(num_slots=3)
+    prefix = PrefixCache(pool)
+    a, b = _fill(pool, [1, 2]), _fill(pool, [3, 4])
+    prefix.release(a, [1, 2], None)
+    prefix.release(b, [3, 4], None)
+    assert prefix.plan([9, 9]).slot == 2  # the empty slot, not a held one
+    prefix.claim(prefix.plan([9, 9]), 3)
+    reuse = prefix.plan([7, 7])  # no empty slot left: the oldest held one, its sequence dropped
+    assert reuse == Reuse(a.slot)
+    prefix.claim(reuse, 3)
+    assert set(prefix.held) == {b.slot} and pool.k[:, a.slot].abs().sum() == 0
+
+
+def test_eviction_keeps_the_held_tokens_within_a_budget() -> None:
+    pool = _pool()
+    prefix = PrefixCache(pool)
+    caches = [_fill(pool, [i] * (i + 2)) for i in range(3)]
+    for c in caches:
+        prefix.release(c, [c.slot] * c.length, None)
+    assert prefix.num_held_tokens == 2 + 3 + 4
+    prefix.evict(7)  # the oldest (2 tokens) goes: 7 left
+    assert prefix.num_held_tokens == 7 and 0 not in prefix.held
+    prefix.clear()
+    assert not prefix.held and pool.k.abs().sum() == 0
+
+
+def test_prefix_caching_is_on_by_default_only_where_reuse_is_exact(tiny_engine: SpecEngine) -> None:
+    assert BatchEngine(tiny_engine).prefix is None  # float32: rows differ in the last bits by chunking
+    scheduler = tiny_engine.config.scheduler.model_copy(update={"enable_prefix_caching": True})
+    forced = SpecEngine(tiny_engine.target, tiny_engine.drafters,
+                        tiny_engine.config.model_copy(update={"scheduler": scheduler}))
+    assert BatchEngine(forced).prefix is not None
+
+
+# -- the shipped target -------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["int4", "bfloat16"])
+def engine(request: pytest.FixtureRequest) -> SpecEngine:
+    """The shipped target on its int4 weights (prompt rows on a dense bfloat16 copy where the CPU
+    has bfloat16 instructions) or on bfloat16 ones (prompt rows as scored rows), with prompt
+    lookup and the shipped EAGLE drafter (which reads the target's hidden states at every position)."""
+    if request.param == "bfloat16" and not bfloat16_fast(torch.device("cpu")):
+        pytest.skip("bfloat16 weights need a CPU with bfloat16 instructions")
+    return SpecEngine.from_config(EngineConfig(
+        target=TargetConfig(weights=request.param, max_model_len=1024),
+        drafters=[NgramDrafterConfig(), EagleDrafterConfig(path="models/eagle", draft_len=2)],
+        scheduler={"max_num_seqs": 3, "max_num_batched_tokens": 64},
+    ))
+
+
+def _chat(engine: SpecEngine, *turns: str) -> list[int]:
+    roles = ["user", "assistant"]
+    messages = [{"role": "system", "content": SYSTEM}]
+    messages += [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]
+    return engine.encode(messages)
+
+
+def _run(batch: BatchEngine, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    """The prompts in one batch, drafting in turn with nothing, prompt lookup and EAGLE."""
+    gens = [batch.add(p, params) for p in prompts]
+    orders = [StepOrder(PLAIN, 0), StepOrder("ngram", 4), StepOrder("eagle", 2)]
+    while batch.num_unfinished:
+        step = batch.step({g: orders[gens.index(g) % 3] for g in batch.schedule()})
+        assert not step.failed
+    return gens
+
+
+def test_reused_prefixes_change_no_token_logprob_or_feature(engine: SpecEngine) -> None:
+    """A conversation's second turn, and questions sharing its system prompt beside it, with prefix
+    caching and without: the same tokens and logprobs, bit for bit, and the hidden states EAGLE
+    reads at the reused positions equal those a prefill computes."""
+    params = SamplingParams(max_tokens=24, logprobs=2)
+    cached, fresh = BatchEngine(engine), BatchEngine(engine)
+    assert cached.prefix is not None
+    fresh.prefix = None
+    first = _chat(engine, QUESTIONS[0])
+    [turn1] = _run(cached, [first], params)
+    assert turn1.num_cached == 0
+    second = _chat(engine, QUESTIONS[0], engine.tokenizer.decode(turn1.output_ids, skip_special_tokens=True), "Why?")
+    later = [second] + [_chat(engine, q) for q in QUESTIONS[1:]]
+    with_reuse, without = _run(cached, later, params), _run(fresh, later, params)
+    # the next turn continues the first's prompt in place (its answer too where prompt rows compute
+    # keys as scored rows do); the others copy the system prompt
+    system_len = common_prefix_len(later[1], later[2])
+    if engine.target.model.prompt_rows_as_scored:
+        assert with_reuse[0].num_cached > len(first)
+    else:
+        assert with_reuse[0].num_cached == len(first) - 1
+    assert system_len > 80
+    assert [g.num_cached for g in with_reuse[1:]] == [system_len] * 2
+    assert [g.num_cached for g in without] == [0, 0, 0]
+    for a, b in zip(with_reuse, without):
+        assert a.output_ids == b.output_ids
+        ra, rb = a.result(), b.result()
+        assert ra.num_cached_tokens == a.num_cached
+        assert ra.logprobs == rb.logprobs and len(ra.logprobs) == len(a.output_ids)
+        n = a.num_cached
+        assert torch.equal(a.ctx.features[:n], b.ctx.features[:n])
+    assert "eagle" in with_reuse[2].result().drafters
+    prefix = cached.prefix
+    assert prefix.num_hit_tokens == sum(g.num_cached for g in [turn1, *with_reuse])
+    assert prefix.num_queried_tokens == sum(len(p) for p in [first, *later])
+
+
+def test_a_request_scoring_its_prompt_prefills_it_all(engine: SpecEngine) -> None:
+    batch = BatchEngine(engine)
+    prompt = _chat(engine, QUESTIONS[1])
+    _run(batch, [prompt], SamplingParams(max_tokens=4))
+    [scored] = _run(batch, [prompt], SamplingParams(max_tokens=4, prompt_logprobs=0))
+    assert scored.num_cached == 0 and len(scored.result().prompt_logprobs) == len(prompt)
+    [again] = _run(batch, [prompt], SamplingParams(max_tokens=4))
+    assert again.num_cached == len(prompt) - 1  # all but the last prompt token, which the first step runs
+
+
+def test_held_prefixes_stay_within_the_kv_memory(engine: SpecEngine) -> None:
+    """The KV budget holds the running requests' reservations and what finished ones keep; an
+    admission evicts the oldest held prefixes past it."""
+    batch = BatchEngine(engine)
+    params = SamplingParams(max_tokens=8)
+    prompts = [_chat(engine, q) for q in QUESTIONS]
+    batch.kv_cache_tokens = len(prompts[0]) + params.max_tokens + 8 + len(prompts[0]) // 2
+    for p in prompts:
+        _run(batch, [p], params)
+        assert batch.prefix.num_held_tokens <= batch.kv_cache_tokens
+    assert len(batch.prefix.held) == 1  # one finished sequence fits beside a running request's reservation
+
+
+def test_bench_runs_conversations_with_and_without_prefix_caching(engine: SpecEngine) -> None:
+    """`python -m bench.prefix`'s comparison: the second turns find the first turns' prompts, the
+    system-prompt questions the system prompt, and every output equals the other mode's."""
+    from bench.prefix import Conversation, compare, report
+
+    params = SamplingParams(max_tokens=6)
+    conversations = [Conversation((q, "Say more.")) for q in QUESTIONS[:2]]
+    system = [Conversation((q,), SYSTEM) for q in QUESTIONS]
+    results = {"runs": {"conversations@2": compare(engine, None, ["plain"], "conversations", conversations, params,
+                                                   2, 1),
+                        "system@1": compare(engine, None, ["plain"], "system", system, params, 1, 1)}}
+    for by_method in results["runs"].values():
+        on, off = by_method["plain"]["on"], by_method["plain"]["off"]
+        assert on["num_mismatches"] == off["num_mismatches"] == 0
+        assert on["prompt_tokens"] == off["prompt_tokens"] > on["cached_tokens"] > 0 == off["cached_tokens"]
+    assert "| system | 1 | plain | on / off |" in report(results)
