@@ -182,7 +182,8 @@ def _tokens_per_s(run: _Run) -> float:
     return sum(t.num_tokens for t in run.timings) / run.wall_s
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (inclusive method; 0.0 of none)."""
     if not values:
         return 0.0
     if len(values) == 1:
@@ -199,7 +200,8 @@ def _result(runs: list[_Run], plain_tokens_per_s: float, reference: Sequence[lis
     tps = _tokens_per_s(run)
     return LevelResult(
         tokens_per_s=tps, speedup=tps / plain_tokens_per_s,
-        ttft_p50=_pct(ttft, 50), ttft_p99=_pct(ttft, 99), tpot_p50=_pct(tpot, 50), tpot_p99=_pct(tpot, 99),
+        ttft_p50=percentile(ttft, 50), ttft_p99=percentile(ttft, 99),
+        tpot_p50=percentile(tpot, 50), tpot_p99=percentile(tpot, 99),
         mean_batch_size=statistics.fmean(run.batch_sizes) if run.batch_sizes else 0.0,
         host_ms_per_step=(None if run.forward_s is None
                           else 1e3 * (run.wall_s - run.forward_s) / max(1, run.num_forwards)),

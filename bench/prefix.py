@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.concurrency import percentile
 from bench.runner import bench_router
 from policies.schema import load_policy
 from workers.batch import BatchEngine
@@ -172,7 +172,7 @@ def compare(engine: SpecEngine, router: Router | None, methods: Sequence[str], n
         out[method] = {mode: _summary(rs, reference) for mode, rs in runs.items()}
         on, off = (max(runs[m], key=lambda x: x.tokens_per_s) for m in MODES)
         out[method]["speedup"] = on.tokens_per_s / off.tokens_per_s
-        out[method]["ttft_p50_ratio"] = _pct(off.ttft_s, 50) / _pct(on.ttft_s, 50)
+        out[method]["ttft_p50_ratio"] = percentile(off.ttft_s, 50) / percentile(on.ttft_s, 50)
     return out
 
 
@@ -180,15 +180,11 @@ def _summary(runs: list[ModeRun], reference: dict[str, list[int]]) -> dict[str, 
     best = max(runs, key=lambda r: r.tokens_per_s)
     return {
         "tokens_per_s": best.tokens_per_s, "tokens_per_s_rounds": [r.tokens_per_s for r in runs],
-        "ttft_p50_s": _pct(best.ttft_s, 50), "ttft_p90_s": _pct(best.ttft_s, 90),
+        "ttft_p50_s": percentile(best.ttft_s, 50), "ttft_p90_s": percentile(best.ttft_s, 90),
         "prompt_tokens": best.num_prompt_tokens, "cached_tokens": best.num_cached_tokens,
         "num_mismatches": max(sum(r.outputs[k] != v for k, v in reference.items()) for r in runs),
         "num_requests": len(reference),
     }
-
-
-def _pct(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
 def report(results: dict[str, Any]) -> str:
@@ -242,7 +238,7 @@ def main() -> None:
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(results, indent=2, default=asdict))
+        (args.out / "results.json").write_text(json.dumps(results, indent=2))
         (args.out / "report.md").write_text(text + "\n")
 
 

@@ -108,13 +108,11 @@ class PrefixCache:
         """The cache of a request placed by `plan`, its first `reuse.length` positions filled."""
         cache = self.pool.allocate(reuse.slot)
         held = self.held.pop(reuse.slot, None)
+        if held is not None and len(held.token_ids) > reuse.length:  # what the slot kept past the reuse goes
+            self.pool.forget(reuse.slot, reuse.length)
         if reuse.source is None:
-            if held is not None and len(held.token_ids) > reuse.length:
-                self.pool.forget(reuse.slot, reuse.length)
             cache.extend(reuse.length)
-        else:
-            if held is not None:
-                self.pool.forget(reuse.slot)
+        else:  # over what the slot kept before it, if anything
             self.pool.copy_prefix(reuse.source, cache, reuse.length)
             if (source := self.held.get(reuse.source)) is not None:
                 source.last_used = next(self._clock)
@@ -134,12 +132,9 @@ class PrefixCache:
     def evict(self, max_tokens: int) -> None:
         """Drop the least recently used held prefixes until they hold at most `max_tokens`."""
         while self.held and self.num_held_tokens > max_tokens:
-            slot = min(self.held, key=lambda s: self.held[s].last_used)
+            slot = self._oldest(self.held)
             del self.held[slot]
             self.pool.forget(slot)
-
-    def clear(self) -> None:
-        self.evict(0)
 
     def _vacant(self, exclude: int | None) -> int | None:
         """A free slot to start in: the lowest empty one, else the least recently used held one."""
@@ -147,4 +142,8 @@ class PrefixCache:
         empty = [s for s in free if s not in self.held]
         if empty:
             return empty[0]
-        return min(free, key=lambda s: self.held[s].last_used, default=None)
+        return self._oldest(free) if free else None
+
+    def _oldest(self, slots: Iterable[int]) -> int:
+        """The held slot among `slots` least recently used."""
+        return min(slots, key=lambda s: self.held[s].last_used)
