@@ -12,7 +12,7 @@ from workers.config import PLAIN, EagleDrafterConfig, EngineConfig, NgramDrafter
 from workers.engine import Generation, SpecEngine, StepOrder
 from workers.models.bf16 import bfloat16_fast
 from workers.models.llama import KVPool
-from workers.prefix import LiveSequence, PrefixCache, Reuse, common_prefix_len
+from workers.prefix import WAIT_FOR_PREFIX_TOKENS, LiveSequence, PrefixCache, Reuse, common_prefix_len
 from workers.sampling import SamplingParams
 
 SYSTEM = "You answer questions about the solar system in one or two plain sentences, citing no sources. " * 4
@@ -68,6 +68,7 @@ def test_a_partial_match_is_copied_and_the_held_sequence_stays() -> None:
     live = LiveSequence(cache.slot, [5, 6, 1], None)
     third = prefix.plan([5, 6, 1, 3], [live])
     assert (third.length, third.source) == (3, cache.slot)
+    assert prefix.longest([5, 6, 1, 3], [live]) == 3 and prefix.longest([5, 6, 7, 8, 9]) == 4
 
 
 def test_slots_go_to_empty_ones_first_then_the_least_recently_used_held() -> None:
@@ -172,6 +173,50 @@ def test_reused_prefixes_change_no_token_logprob_or_feature(engine: SpecEngine) 
     prefix = cached.prefix
     assert prefix.num_hit_tokens == sum(g.num_cached for g in [turn1, *with_reuse])
     assert prefix.num_queried_tokens == sum(len(p) for p in [first, *later])
+
+
+def test_requests_arriving_together_prefill_their_shared_prefix_once(engine: SpecEngine) -> None:
+    """Three questions under one new system prompt, added at once: the first prefills it while the
+    others wait until what is left of it is too short to wait for, then copy it; their output is
+    that of a batch without prefix caching."""
+    params = SamplingParams(max_tokens=8)
+    prompts = [_chat(engine, q) for q in QUESTIONS]
+    system_len = common_prefix_len(prompts[0], prompts[1])
+    assert system_len >= WAIT_FOR_PREFIX_TOKENS + 16
+    cached, fresh = BatchEngine(engine), BatchEngine(engine)
+    fresh.prefix = None
+    gens = [cached.add(p, params) for p in prompts]
+    cached.schedule()
+    assert gens[0].cache is not None and list(cached.waiting) == gens[1:]
+    while cached.num_unfinished:
+        assert not cached.step({g: StepOrder("ngram", 3) for g in cached.schedule()}).failed
+    assert gens[0].num_cached == 0 and gens[1].num_cached == gens[2].num_cached
+    assert system_len - WAIT_FOR_PREFIX_TOKENS < gens[1].num_cached <= system_len
+    assert [g.output_ids for g in gens] == [g.output_ids for g in _run(fresh, prompts, params)]
+
+
+def test_a_cancelled_request_keeps_its_prefix_for_the_one_waiting_on_it(engine: SpecEngine) -> None:
+    """A request waiting for another's prefill is admitted once that one is cancelled, and starts
+    from the positions it had prefilled, which its slot keeps."""
+    params = SamplingParams(max_tokens=6)
+    prompts = [_chat(engine, q) for q in QUESTIONS[:2]]
+    batch = BatchEngine(engine)
+    first, second = (batch.add(p, params) for p in prompts)
+    batch.schedule()
+    batch.step()  # the first's first chunk; the second waits
+    done = first.num_prefilled
+    assert 0 < done < common_prefix_len(*prompts) and second.cache is None
+    slot = first.cache.slot
+    batch.remove(first)
+    first.close()
+    assert batch.prefix.held[slot].token_ids == prompts[0][:done]
+    while batch.num_unfinished:
+        batch.schedule()
+        assert not batch.step().failed
+    assert second.finished and second.num_cached == done
+    fresh = BatchEngine(engine)
+    fresh.prefix = None
+    assert second.output_ids == _run(fresh, [prompts[1]], params)[0].output_ids
 
 
 def test_a_request_scoring_its_prompt_prefills_it_all(engine: SpecEngine) -> None:

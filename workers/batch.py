@@ -17,7 +17,8 @@ Each step then:
 Finished requests leave `running` and give their slot back at once; their owner reads their
 result and closes them. With prefix caching (workers/prefix.py) a finished request's slot keeps
 its sequence, and an admitted request starts with the longest prefix of its prompt the pool
-holds, prefilling only the rest.
+holds, prefilling only the rest; one whose prompt starts like a running request's that is still
+being prefilled waits for that prefix instead of prefilling it too.
 
 What each request drafts is the caller's choice, made per step (`orders`): the router's goodput
 rule lives in workers/routing.py and policies/batching.py, not here.
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from workers.drafters.base import BatchDrafter
 from workers.engine import Generation, PreparedStep, SpecEngine, StepOrder, StepStats
 from workers.models.base import BatchedLM, ForwardOutput, SeqInput, forward_rows, synchronize
-from workers.prefix import LiveSequence, PrefixCache
+from workers.prefix import WAIT_FOR_PREFIX_TOKENS, LiveSequence, PrefixCache, common_prefix_len
 from workers.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -98,12 +99,15 @@ class BatchEngine:
         return gen
 
     def remove(self, gen: Generation) -> None:
-        """Take a request out of the queues (cancelled) and free its slot; its owner closes it."""
+        """Take a request out of the queues (cancelled) and free its slot, which keeps what it
+        computed for prefix caching; its owner closes it."""
         if gen in self.running:
             self.running.remove(gen)
-        elif gen in self.waiting:
+            self._release(gen)
+            return
+        if gen in self.waiting:
             self.waiting.remove(gen)
-        gen.release_cache()
+        gen.release_cache()  # a failed request's cache is not trusted
 
     def schedule(self) -> list[Generation]:
         """Admit what fits; the running requests whose next step decodes (their prompt is in the
@@ -202,42 +206,70 @@ class BatchEngine:
         out.failed.append((gen, error))
 
     def _admit(self) -> None:
+        """Admit waiting requests first come first served while they fit; with prefix caching one
+        that had better wait for a running request's prefill stays queued, and those behind it may
+        pass."""
         def room(gen: Generation) -> bool:
             slots = self.pool.num_free > 0 if self.pool is not None else len(self.running) < self.config.max_num_seqs
             return slots and (self.kv_cache_tokens is None
                               or self.num_reserved_tokens + gen.ctx.max_len <= self.kv_cache_tokens)
 
+        deferred: list[Generation] = []
         while self.waiting and (self.waiting[0].closed or room(self.waiting[0])):
             gen = self.waiting.popleft()
             if gen.closed:
                 continue
-            if self.prefix is not None:
-                self._attach_reusing(gen)
-            else:
+            if self.prefix is None:
                 gen.attach(self.pool.allocate() if self.pool is not None else gen.model.new_cache(gen.ctx.max_len))
+            elif self._awaits_prefix(gen):
+                deferred.append(gen)
+                continue
+            else:
+                self._attach_reusing(gen)
             self.running.append(gen)
+        self.waiting.extendleft(reversed(deferred))
+
+    def _prompt_reusable(self, gen: Generation) -> list[int]:
+        """The tokens of a waiting request's prompt it may find in the pool (none for a request that
+        scores its prompt: every prompt row's logits are asked for)."""
+        return [] if gen.prompt_logprobs is not None else gen.ctx.token_ids[: gen.num_prompt - 1]
+
+    def _live(self) -> list[LiveSequence]:
+        """The running requests' sequences as far as another prompt may reuse them."""
+        return [LiveSequence(g.cache.slot, g.ctx.token_ids[: self._reusable(g)], g.ctx.features)
+                for g in self.running if g.cache is not None]
+
+    def _awaits_prefix(self, gen: Generation) -> bool:
+        """Whether `gen` had better wait: a running request still prefilling will hold at least
+        WAIT_FOR_PREFIX_TOKENS more of its prompt than the pool does now, which `gen` then copies
+        instead of prefilling the same positions beside it."""
+        assert self.prefix is not None
+        reusable = self._prompt_reusable(gen)
+        coming = max((common_prefix_len(g.ctx.token_ids[: self._reusable(g, g.num_prompt - 1)], reusable)
+                      for g in self.running if g.num_to_prefill), default=0)
+        return (coming >= WAIT_FOR_PREFIX_TOKENS
+                and coming - self.prefix.longest(reusable, self._live()) >= WAIT_FOR_PREFIX_TOKENS)
 
     def _attach_reusing(self, gen: Generation) -> None:
-        """Start `gen` with the longest prefix of its prompt the pool holds (none for a request
-        that scores its prompt: every prompt row's logits are asked for), then keep the held
+        """Start `gen` with the longest prefix of its prompt the pool holds, then keep the held
         prefixes within the KV memory the running requests leave."""
         assert self.prefix is not None
-        reusable = [] if gen.prompt_logprobs is not None else gen.ctx.token_ids[: gen.num_prompt - 1]
-        live = [LiveSequence(g.cache.slot, g.ctx.token_ids[: self._reusable(g)], g.ctx.features)
-                for g in self.running if g.cache is not None]
-        reuse = self.prefix.plan(reusable, live)
+        reuse = self.prefix.plan(self._prompt_reusable(gen), self._live())
         gen.attach(self.prefix.claim(reuse, gen.num_prompt), reuse.features)
         if self.kv_cache_tokens is not None:
             self.prefix.evict(self.kv_cache_tokens - self.num_reserved_tokens - gen.ctx.max_len)
 
-    def _reusable(self, gen: Generation) -> int:
-        """How many of a request's positions another prompt may reuse exactly: all it holds, or
-        where prompt rows take other kernels than scored ones, those its prompt rows computed (a
-        request scoring its prompt computes them as scored rows: none)."""
-        assert gen.cache is not None
+    def _reusable(self, gen: Generation, length: int | None = None) -> int:
+        """How many of a request's first `length` positions (default: all its cache holds) another
+        prompt may reuse exactly: all, or where prompt rows take other kernels than scored ones,
+        those its prompt rows computed (a request scoring its prompt computes them as scored rows:
+        none)."""
+        if length is None:
+            assert gen.cache is not None
+            length = gen.cache.length
         if self.engine.target.model.prompt_rows_as_scored:
-            return gen.cache.length
-        return 0 if gen.prompt_logprobs is not None else min(gen.cache.length, gen.num_prompt - 1)
+            return length
+        return 0 if gen.prompt_logprobs is not None else min(length, gen.num_prompt - 1)
 
     def _release(self, gen: Generation) -> None:
         """Free a finished request's slot; with prefix caching what it may share stays there."""

@@ -11,6 +11,11 @@ by concurrent requests): copying a position's keys and values is a memory copy, 
 forward. The target's final hidden states there, which feature drafters (EAGLE, Medusa) read,
 travel with them.
 
+Requests that arrive together with a new shared prefix would each prefill it beside the others;
+instead a request whose prompt starts like one a running request is still prefilling waits until
+that prefix is in the pool and copies it (SGLang's in-batch prefix caching), letting the requests
+behind it pass meanwhile.
+
 Reuse is exact only where keys and values do not depend on how they were computed (in which
 prompt chunk, beside which rows): on a `batch_invariant` target a request's output is bit for bit
 the same with or without it, which is where `SchedulerConfig.enable_prefix_caching` turns it on by
@@ -27,6 +32,10 @@ import numpy as np
 import torch
 
 from workers.models.base import KVPoolLike, PooledKVCache
+
+# A request waits for a running one's prefill where that wins it at least this many positions over
+# what the pool holds now: below it, a step of waiting costs more than the rows it saves.
+WAIT_FOR_PREFIX_TOKENS = 64
 
 
 @dataclass
@@ -81,18 +90,16 @@ class PrefixCache:
     def num_held_tokens(self) -> int:
         return sum(len(h.token_ids) for h in self.held.values())
 
+    def longest(self, reusable: Sequence[int], running: Iterable[LiveSequence] = ()) -> int:
+        """How many of the tokens `reusable` the pool holds now, in a held or a running slot."""
+        return self._best(reusable, running)[1]
+
     def plan(self, reusable: Sequence[int], running: Iterable[LiveSequence] = ()) -> Reuse:
         """Where a prompt whose first tokens `reusable` may come from the pool starts (a free slot
         must exist). The longest shared prefix wins; a held slot is taken in place only where the
         prompt continues all it holds (nothing is lost), else the prefix is copied into an empty
         slot, or into the least recently used held one."""
-        best: LiveSequence | None = None
-        best_len = 0
-        candidates = [LiveSequence(slot, h.token_ids, h.features) for slot, h in self.held.items()]
-        for seq in [*candidates, *running]:
-            n = common_prefix_len(seq.token_ids, reusable)
-            if n > best_len or (n == best_len and n and seq.slot in self.held and best.slot not in self.held):
-                best, best_len = seq, n  # a tie goes to a held slot: it may be taken in place
+        best, best_len = self._best(reusable, running)
         if best is not None and best.slot in self.held and best_len == len(best.token_ids):
             return Reuse(best.slot, best_len, None, best.features)
         source = best.slot if best is not None else None
@@ -135,6 +142,18 @@ class PrefixCache:
             slot = self._oldest(self.held)
             del self.held[slot]
             self.pool.forget(slot)
+
+    def _best(self, reusable: Sequence[int], running: Iterable[LiveSequence]) -> tuple[LiveSequence | None, int]:
+        """The sequence sharing the longest prefix with `reusable`, and its length; a tie goes to a
+        held slot, which may be taken in place."""
+        best: LiveSequence | None = None
+        best_len = 0
+        candidates = [LiveSequence(slot, h.token_ids, h.features) for slot, h in self.held.items()]
+        for seq in [*candidates, *running]:
+            n = common_prefix_len(seq.token_ids, reusable)
+            if n > best_len or (n == best_len and n and seq.slot in self.held and best.slot not in self.held):
+                best, best_len = seq, n
+        return best, best_len
 
     def _vacant(self, exclude: int | None) -> int | None:
         """A free slot to start in: the lowest empty one, else the least recently used held one."""
