@@ -439,7 +439,8 @@ class CountHistogram:
 class BatchingStats:
     """A replica's continuous batching: queue lengths now, and per step since it started the
     requests in the forward, the rows it ran, the tokens it emitted and its seconds; its prefix
-    cache's prompt tokens placed and found (vLLM's queries and hits) and the tokens it holds now."""
+    cache's prompt tokens placed and found (vLLM's queries and hits) and the tokens it holds now;
+    the running requests it preempted for ones of higher priority."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -450,6 +451,7 @@ class BatchingStats:
     prefix_queries: int = 0
     prefix_hits: int = 0
     prefix_held_tokens: int = 0
+    num_preemptions: int = 0
 
     @property
     def goodput(self) -> float | None:
@@ -475,7 +477,8 @@ class BatchingStats:
                              self.batch_size + other.batch_size, self.step_tokens + other.step_tokens,
                              self.num_emitted + other.num_emitted, self.step_s + other.step_s,
                              self.prefix_queries + other.prefix_queries, self.prefix_hits + other.prefix_hits,
-                             self.prefix_held_tokens + other.prefix_held_tokens)
+                             self.prefix_held_tokens + other.prefix_held_tokens,
+                             self.num_preemptions + other.num_preemptions)
 
     def to_json(self) -> dict[str, Any]:
         return {"num_running": self.num_running, "num_waiting": self.num_waiting,
@@ -483,7 +486,7 @@ class BatchingStats:
                 "step_tokens": [list(self.step_tokens.counts), self.step_tokens.total],
                 "num_emitted": self.num_emitted, "step_s": self.step_s,
                 "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
-                "prefix_held_tokens": self.prefix_held_tokens}
+                "prefix_held_tokens": self.prefix_held_tokens, "num_preemptions": self.num_preemptions}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> BatchingStats:
@@ -492,4 +495,5 @@ class BatchingStats:
                    CountHistogram(BATCH_SIZE_BUCKETS, tuple(bs), float(bs_total)),
                    CountHistogram(STEP_TOKENS_BUCKETS, tuple(st), float(st_total)),
                    int(data["num_emitted"]), float(data["step_s"]),
-                   int(data["prefix_queries"]), int(data["prefix_hits"]), int(data["prefix_held_tokens"]))
+                   int(data["prefix_queries"]), int(data["prefix_hits"]), int(data["prefix_held_tokens"]),
+                   int(data.get("num_preemptions", 0)))  # absent from a replica of an earlier version

@@ -575,7 +575,7 @@ class OpenAIIngress:
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
             prediction=body.prediction.text if body.prediction is not None else None, echo=body.echoes,
             output_format=body.output_format,
-            tools=body.template_tools,
+            tools=body.template_tools, priority=body.priority,
         )
         seed = body.seed
         return [replace(request, **_prompt_fields(prompt), **({} if seed is None else {"seed": seed + i}))

@@ -145,7 +145,10 @@ class SpecRouteCollector:
         held = GaugeMetricFamily(f"{PREFIX}prefix_cache_tokens",
                                  "Positions finished requests keep in free KV slots")
         held.add_metric([], b.prefix_held_tokens)
-        yield from (queries, hits, held)
+        preemptions = CounterMetricFamily(f"{PREFIX}num_preemptions",
+                                          "Running requests preempted for requests of higher priority")
+        preemptions.add_metric([], b.num_preemptions)
+        yield from (queries, hits, held, preemptions)
         if (goodput := b.goodput) is not None:
             gauge = GaugeMetricFamily(f"{PREFIX}goodput_tokens_per_second",
                                       "Tokens emitted per second of target steps, since the replicas started")

@@ -192,6 +192,8 @@ class GenerationRequestBase(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices to generate, each its own request in the batch")
     ignore_eos: bool = Field(False, description="extension: keep generating past end-of-sequence")
+    priority: int = Field(0, description="extension, as in vLLM: lower is admitted first, under the scheduler's "
+                                         "priority policy (any other value is refused under first come first served)")
     speculation: SpeculationRequest = Field(default_factory=SpeculationRequest)
     # OpenAI fields that do not change the output: accepted and ignored
     user: str | None = None

@@ -105,7 +105,8 @@ def stats_json(obs: Observation) -> dict[str, Any]:
                      "mean_batch_size": obs.batching.mean_batch_size,
                      "goodput_tokens_per_s": obs.batching.goodput,
                      "prefix_cache_hit_rate": obs.batching.prefix_hit_rate,
-                     "prefix_cache_tokens": obs.batching.prefix_held_tokens},
+                     "prefix_cache_tokens": obs.batching.prefix_held_tokens,
+                     "num_preemptions": obs.batching.num_preemptions},
         "suffix_caches": {name: {"tokens": dict(m.tokens), "max_tokens": m.max_tokens}
                           for name, m in obs.traffic_memory.items()},
     }

@@ -304,6 +304,9 @@ def test_batching_metrics_count_the_steps(base_url: str, traffic: list[dict]) ->
     assert queries == sum(r["usage"]["prompt_tokens"] for r in RESPONSES)
     assert 0 < hits == sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in RESPONSES) < queries
     assert fams["specroute_prefix_cache_tokens"][0].value > 0
+    # first come first served: nothing preempted (tests/test_priority.py preempts)
+    assert [(s.name, s.value) for s in fams["specroute_num_preemptions"]] == [("specroute_num_preemptions_total", 0)]
+    assert requests.get(f"{base_url}/v1/stats", timeout=30).json()["batching"]["num_preemptions"] == 0
 
 
 def test_suffix_cache_size_is_reported(base_url: str, traffic: list[dict]) -> None:

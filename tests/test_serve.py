@@ -535,6 +535,7 @@ LONG_PROMPT = "lorem ipsum " * 600  # > 1024 tokens, the tiny config's max_model
     ("completions", {"prompt": "hi", "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
      "structured_outputs"),
     ("chat", {"prediction": {"type": "file", "content": "x"}}, "prediction.type"),
+    ("chat", {"priority": 3}, "priority"),  # the app schedules first come first served
     ("completions", {"prompt": "hi", "prediction": {"type": "content", "content": "lorem ipsum " * 600}},
      "prediction"),
 ])

@@ -1,9 +1,13 @@
 """Continuous batching: every running request advances in one target forward per step.
 
 A `BatchEngine` keeps two queues, as vLLM's scheduler does. `waiting` requests hold no memory;
-a request is admitted to `running`, first come first served, when a KV slot of the pool is free
-(`max_num_seqs` slots) and the KV memory (`kv_cache_gib`) holds its prompt + max_tokens positions
-besides what the running requests hold: a long request waits for room, it never fails for it.
+a request is admitted to `running`, first come first served (or by priority, `scheduler.policy`),
+when a KV slot of the pool is free (`max_num_seqs` slots) and the KV memory (`kv_cache_gib`) holds
+its prompt + max_tokens positions besides what the running requests hold: a long request waits for
+room, it never fails for it. Under the priority policy a request that finds no room preempts
+running requests of lower priority: they give their slot back and wait again, keeping their
+output, and resume where they were by prefilling their sequence again (vLLM's recompute
+preemption; with prefix caching their slot keeps what it may, so little is recomputed).
 Each step then:
   1. every running request that has its prompt in the cache prepares its step (its drafter
      proposes [last token + draft], k = 0 for plain decoding), each with its own drafter and k;
@@ -26,6 +30,7 @@ rule lives in workers/routing.py and policies/batching.py, not here.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
@@ -36,6 +41,7 @@ from workers.drafters.base import BatchDrafter
 from workers.engine import Generation, PreparedStep, SpecEngine, StepOrder, StepStats
 from workers.models.base import BatchedLM, ForwardOutput, SeqInput, forward_rows, synchronize
 from workers.prefix import WAIT_FOR_PREFIX_TOKENS, LiveSequence, PrefixCache, common_prefix_len
+from workers.result import RequestError
 from workers.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -77,8 +83,9 @@ class BatchEngine:
         if caching and self.pool is None:
             log.warning("enable_prefix_caching: this target runs without a KV pool (backend 'hf'); no prefix caching")
         self.prefix = PrefixCache(self.pool) if caching and self.pool is not None else None
-        self.waiting: deque[Generation] = deque()
+        self.waiting: deque[Generation] = deque()  # in admission order
         self.running: list[Generation] = []
+        self.num_preemptions = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -90,12 +97,17 @@ class BatchEngine:
         return sum(g.ctx.max_len for g in self.running)
 
     def add(self, prompt_ids: list[int], params: SamplingParams,
-            on_step: Callable[[StepStats], None] | None = None, domain: str | None = None) -> Generation:
+            on_step: Callable[[StepStats], None] | None = None, domain: str | None = None,
+            priority: int = 0) -> Generation:
         """Queue a request (checked now: a bad one raises RequestError); it starts when admitted.
-        `domain`: its routing domain (see DraftContext.domain)."""
+        `domain`: its routing domain (see DraftContext.domain); `priority`: lower goes first,
+        under the priority policy."""
         self.engine.check_request(prompt_ids, params)
-        gen = Generation(self.engine, prompt_ids, params, on_step, prefill=False, domain=domain)
-        self.waiting.append(gen)
+        if priority and self.config.policy != "priority":
+            raise RequestError(f"priority {priority}: this server schedules first come first served "
+                               "(scheduler.policy: priority takes priorities)", "priority")
+        gen = Generation(self.engine, prompt_ids, params, on_step, prefill=False, domain=domain, priority=priority)
+        self._enqueue(gen)
         return gen
 
     def remove(self, gen: Generation) -> None:
@@ -141,7 +153,7 @@ class BatchEngine:
                 ids = gen.prefill_input(budget)
                 budget -= ids.shape[0]
                 chunks.append((gen, ids.shape[0]))
-                inputs.append(SeqInput(ids, gen.cache, "none" if gen.prompt_logprobs is None else "all"))
+                inputs.append(SeqInput(ids, gen.cache, gen.prefill_logits))
         if not inputs:
             return out
         t0 = time.perf_counter()
@@ -206,33 +218,74 @@ class BatchEngine:
         out.failed.append((gen, error))
 
     def _admit(self) -> None:
-        """Admit waiting requests first come first served while they fit; with prefix caching one
-        that had better wait for a running request's prefill stays queued, and those behind it may
-        pass."""
-        def room(gen: Generation) -> bool:
-            slots = self.pool.num_free > 0 if self.pool is not None else len(self.running) < self.config.max_num_seqs
-            return slots and (self.kv_cache_tokens is None
-                              or self.num_reserved_tokens + gen.ctx.max_len <= self.kv_cache_tokens)
-
+        """Admit waiting requests in order while they fit; under the priority policy one that does
+        not fit preempts running requests of lower priority where that makes room. With prefix
+        caching one that had better wait for a running request's prefill stays queued, and those
+        behind it may pass."""
         deferred: list[Generation] = []
-        while self.waiting and (self.waiting[0].closed or room(self.waiting[0])):
-            gen = self.waiting.popleft()
+        while self.waiting:
+            gen = self.waiting[0]
             if gen.closed:
+                self.waiting.popleft()
                 continue
+            if self.prefix is not None and self._awaits_prefix(gen):  # before preempting anyone for it
+                deferred.append(self.waiting.popleft())
+                continue
+            if not self._room(gen) and not self._preempt_for(gen):
+                break
+            self.waiting.popleft()
             if self.prefix is None:
                 gen.attach(self.pool.allocate() if self.pool is not None else gen.model.new_cache(gen.ctx.max_len))
-            elif self._awaits_prefix(gen):
-                deferred.append(gen)
-                continue
             else:
                 self._attach_reusing(gen)
             self.running.append(gen)
-        self.waiting.extendleft(reversed(deferred))
+        self.waiting.extendleft(reversed(deferred))  # ahead of any request preempted meanwhile: lower priority
+
+    def _room(self, gen: Generation, num_freed: int = 0, num_freed_tokens: int = 0) -> bool:
+        """Whether `gen` fits beside the running requests, `num_freed` of them holding
+        `num_freed_tokens` positions gone."""
+        if self.pool is not None:
+            slots = self.pool.num_free + num_freed > 0
+        else:
+            slots = len(self.running) - num_freed < self.config.max_num_seqs
+        return slots and (self.kv_cache_tokens is None or
+                          self.num_reserved_tokens - num_freed_tokens + gen.ctx.max_len <= self.kv_cache_tokens)
+
+    def _enqueue(self, gen: Generation) -> None:
+        """Queue `gen` in admission order: last (first come first served), or after the requests of
+        its priority or higher that arrived before it (a preempted request keeps its place)."""
+        if self.config.policy == "fcfs":
+            self.waiting.append(gen)
+            return
+        i = bisect.bisect_right(self.waiting, (gen.priority, gen.started_at), key=lambda g: (g.priority, g.started_at))
+        self.waiting.insert(i, gen)
+
+    def _preempt_for(self, gen: Generation) -> bool:
+        """Under the priority policy, preempt the running requests of lower priority than `gen`,
+        the lowest and latest first, that make room for it; False (none preempted) where they
+        cannot. A request scoring its prompt is not preempted (its prompt's logprobs come once)."""
+        if self.config.policy != "priority":
+            return False
+        lower = sorted((g for g in self.running if g.priority > gen.priority and g.prompt_logprobs is None),
+                       key=lambda g: (g.priority, g.started_at), reverse=True)
+        for n in range(1, len(lower) + 1):
+            if self._room(gen, n, sum(g.ctx.max_len for g in lower[:n])):
+                for victim in lower[:n]:
+                    self.running.remove(victim)
+                    self._release(victim)
+                    victim.num_preemptions += 1
+                    self.num_preemptions += 1
+                    self._enqueue(victim)
+                return True
+        return False
 
     def _prompt_reusable(self, gen: Generation) -> list[int]:
-        """The tokens of a waiting request's prompt it may find in the pool (none for a request that
-        scores its prompt: every prompt row's logits are asked for)."""
-        return [] if gen.prompt_logprobs is not None else gen.ctx.token_ids[: gen.num_prompt - 1]
+        """The tokens of a waiting request's sequence (its prompt; a preempted one's output too) it
+        may find in the pool (none for a request that scores its prompt: every prompt row's logits
+        are asked for)."""
+        if gen.prompt_logprobs is not None:
+            return []
+        return gen.ctx.token_ids[: self._reusable(gen, len(gen.ctx.token_ids) - 1)]
 
     def _live(self) -> list[LiveSequence]:
         """The running requests' sequences as far as another prompt may reuse them."""
@@ -245,7 +298,7 @@ class BatchEngine:
         instead of prefilling the same positions beside it."""
         assert self.prefix is not None
         reusable = self._prompt_reusable(gen)
-        coming = max((common_prefix_len(g.ctx.token_ids[: self._reusable(g, g.num_prompt - 1)], reusable)
+        coming = max((common_prefix_len(g.ctx.token_ids[: self._reusable(g, len(g.ctx.token_ids) - 1)], reusable)
                       for g in self.running if g.num_to_prefill), default=0)
         return (coming >= WAIT_FOR_PREFIX_TOKENS
                 and coming - self.prefix.longest(reusable, self._live()) >= WAIT_FOR_PREFIX_TOKENS)
@@ -255,7 +308,8 @@ class BatchEngine:
         prefixes within the KV memory the running requests leave."""
         assert self.prefix is not None
         reuse = self.prefix.plan(self._prompt_reusable(gen), self._live())
-        gen.attach(self.prefix.claim(reuse, gen.num_prompt), reuse.features)
+        # a resumed request's prompt was counted at its first admission
+        gen.attach(self.prefix.claim(reuse, 0 if gen.num_preemptions else gen.num_prompt), reuse.features)
         if self.kv_cache_tokens is not None:
             self.prefix.evict(self.kv_cache_tokens - self.num_reserved_tokens - gen.ctx.max_len)
 

@@ -270,6 +270,10 @@ class SchedulerConfig(_Strict):
                           "finished one's, kept in its free slot until the slot or memory is needed) reuses its "
                           "keys and values instead of prefilling them; null: on where the target scores rows "
                           "bit for bit alike however batched (weights int4 or bfloat16), so outputs do not change")
+    policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="the order waiting requests are admitted in: first come first served, or by the "
+                            "request's `priority` (lower first, then arrival), a running request of lower "
+                            "priority being preempted when one of higher priority finds no room (vLLM's policies)")
 
 
 class EngineConfig(_Strict):

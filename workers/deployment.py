@@ -69,6 +69,7 @@ class GenerateRequest:
     echo: bool = False
     output_format: OutputFormat | None = None  # what the output must match (workers/structured.py)
     tools: list[dict[str, Any]] | None = None  # OpenAI's tool definitions, for a chat template that renders them
+    priority: int = 0  # lower first, under the scheduler's priority policy
 
     @property
     def prompt_param(self) -> str:
@@ -255,7 +256,7 @@ class TargetWorker:
             "store": asdict(store.health()),
             "batching": replace(self.batching, num_running=self.batch.num_running,
                                 num_waiting=self.batch.num_waiting + len(self._pending),
-                                **self._prefix_cache()).to_json(),
+                                num_preemptions=self.batch.batch.num_preemptions, **self._prefix_cache()).to_json(),
             "traffic_memory": {d.name: asdict(d.memory()) for d in self.engine.learners},
         }
         if include_series:
@@ -378,7 +379,7 @@ class TargetWorker:
             raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
         speculation = self._routing_mod.Speculation(r.drafter, r.draft_len, r.domain)
         try:
-            slot.gen = self.batch.add(prompt_ids, params, text, speculation)
+            slot.gen = self.batch.add(prompt_ids, params, text, speculation, r.priority)
         except RequestError as e:  # the engine names its own arguments; the client sent these fields
             param = {"prompt": r.prompt_param, "drafter": "speculation.drafter"}.get(e.param, e.param)
             raise RequestError(e.message, param, e.code) from None

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -92,12 +92,15 @@ class Generation:
         *,
         prefill: bool = True,
         domain: str | None = None,
+        priority: int = 0,
     ) -> None:
         """`prefill`: give the request a cache of its own and prefill the prompt now; else the
         scheduler (workers/batch.py) attaches a cache from its pool when it admits the request
         (`attach`) and prefills it in chunks (`prefill_input`, `complete_prefill`). `domain`: the
-        request's routing domain, for drafters that learn from traffic (DraftContext.domain)."""
+        request's routing domain, for drafters that learn from traffic (DraftContext.domain).
+        `priority`: the scheduler's (lower first), where it schedules by priority."""
         self.engine = engine
+        self.priority = priority
         self.params = params
         self.on_step = on_step
         self.model = engine.target.model
@@ -136,6 +139,9 @@ class Generation:
         self.ttft_s: float | None = None
         self.num_prefilled = 0  # prompt tokens in the cache; the last one runs in the first step
         self.num_cached = 0  # of those, the ones found there (a reused prefix), not run
+        # where prefilling ends: the prompt's last token, or a preempted request's last token
+        self._prefill_end = len(prompt_ids) - 1
+        self.num_preemptions = 0  # times the scheduler took its cache away to resume it later
         if prefill:
             self._prefill()
 
@@ -149,22 +155,26 @@ class Generation:
         return self._closed
 
     def attach(self, cache: KVCache, features: torch.Tensor | None = None) -> None:
-        """The cache this request runs in, from the scheduler's pool; prefilled by chunks. A cache
-        that holds positions already holds the prompt's first tokens (a reused prefix,
-        workers/prefix.py), with the target's hidden states there in `features` where drafters
-        read them."""
+        """The cache this request runs in, from the scheduler's pool; prefilled by chunks up to its
+        last token (the prompt's, or a preempted request's). A cache that holds positions already
+        holds the sequence's first tokens (a reused prefix, workers/prefix.py), with the target's
+        hidden states there in `features` where drafters read them."""
         if self.cache is not None:
             raise RuntimeError("this generation has a cache already")
         if cache.capacity < self.ctx.max_len:
             raise ValueError(f"a cache of {cache.capacity} positions cannot hold {self.ctx.max_len}")
-        if (cached := cache.length) > self.num_prompt - 1:
-            raise ValueError(f"a cache holding {cached} positions for a prompt of {self.num_prompt}")
+        end = len(self.ctx.token_ids) - 1
+        if (cached := cache.length) > end:
+            raise ValueError(f"a cache holding {cached} positions for a sequence of {end + 1}")
         if cached and self.ctx.features is not None:
             if features is None or features.shape[0] < cached:
                 raise ValueError(f"the target's hidden states at the {cached} positions reused are missing")
             self.ctx.features[:cached] = features[:cached]
         self.cache = cache
-        self.num_prefilled = self.num_cached = cached
+        self._prefill_end = end
+        self.num_prefilled = cached
+        if not self.num_preemptions:  # the prompt's reuse, what usage reports
+            self.num_cached = cached
 
     def detach_cache(self) -> KVCache | None:
         """Take the request's cache away (the scheduler frees its slot, keeping its prefix)."""
@@ -185,8 +195,20 @@ class Generation:
 
     @property
     def num_to_prefill(self) -> int:
-        """Prompt tokens still to run before the first step (all but the last one)."""
-        return self.num_prompt - 1 - self.num_prefilled
+        """Tokens still to run before the next step: all but the last one of the prompt, or of a
+        preempted request's sequence."""
+        return self._prefill_end - self.num_prefilled
+
+    @property
+    def prefill_logits(self) -> Literal["all", "none"]:
+        """The rows of the next prefill chunk that return logits: all where the request scores its
+        prompt, and for a preempted request's output, which its steps computed as scored rows:
+        where prompt rows take other kernels (`prompt_rows_as_scored`), they are run as scored
+        rows again, so its keys and values are those it had."""
+        if self.prompt_logprobs is not None:
+            return "all"
+        resumed = self.num_prefilled >= self.num_prompt - 1
+        return "all" if resumed and not self.model.prompt_rows_as_scored else "none"
 
     def step(self, drafter: str = PLAIN, k: int = 0) -> StepStats:
         """One step of this request alone, drafting up to k tokens with `drafter`."""
@@ -312,8 +334,9 @@ class Generation:
     def prefill_input(self, max_tokens: int) -> torch.Tensor:
         """The next chunk of at most max_tokens prompt tokens to run (scheduler-driven prefill)."""
         a = self.num_prefilled
-        return torch.tensor(self.ctx.token_ids[a : a + min(max_tokens, self.num_to_prefill)],
-                            dtype=torch.long, device=self.device)
+        end = self._prefill_end if a >= self.num_prompt - 1 else self.num_prompt - 1  # a chunk is one kind of row
+        return torch.tensor(self.ctx.token_ids[a : a + min(max_tokens, end - a)], dtype=torch.long,
+                            device=self.device)
 
     def complete_prefill(self, num_tokens: int, out: ForwardOutput, forward_s: float) -> None:
         """The chunk of `prefill_input` ran: its features are kept for the drafters that read them,

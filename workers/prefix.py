@@ -112,7 +112,9 @@ class PrefixCache:
         return Reuse(slot, best_len, source, best.features)
 
     def claim(self, reuse: Reuse, num_prompt_tokens: int) -> PooledKVCache:
-        """The cache of a request placed by `plan`, its first `reuse.length` positions filled."""
+        """The cache of a request placed by `plan`, its first `reuse.length` positions filled;
+        `num_prompt_tokens` count as queried, as many of the positions as hits (a preempted
+        request resuming counts none)."""
         cache = self.pool.allocate(reuse.slot)
         held = self.held.pop(reuse.slot, None)
         if held is not None and len(held.token_ids) > reuse.length:  # what the slot kept past the reuse goes
@@ -124,7 +126,7 @@ class PrefixCache:
             if (source := self.held.get(reuse.source)) is not None:
                 source.last_used = next(self._clock)
         self.num_queried_tokens += num_prompt_tokens
-        self.num_hit_tokens += reuse.length
+        self.num_hit_tokens += min(reuse.length, num_prompt_tokens)
         return cache
 
     def release(self, cache: PooledKVCache, token_ids: Sequence[int], features: torch.Tensor | None) -> None:

@@ -308,10 +308,10 @@ class Router:
     # -- requests -----------------------------------------------------------------------------
     def start(
         self, prompt_ids: list[int], params: SamplingParams, text: str,
-        speculation: Speculation = Speculation(), batch: BatchEngine | None = None,
+        speculation: Speculation = Speculation(), batch: BatchEngine | None = None, priority: int = 0,
     ) -> RoutedGeneration:
         """Classify, plan and prefill one request (`batch`: queue it there instead, prefilled
-        by the batch's steps). Raises RequestError for a bad request."""
+        by the batch's steps, with `priority`). Raises RequestError for a bad request."""
         policy, classifier = self._active
         drafter, k = speculation.drafter, speculation.draft_len
         if drafter not in (AUTO, PLAIN) and drafter not in self.engine.drafters:
@@ -355,7 +355,7 @@ class Router:
         # cheap drafters the domain allows are scored on every step, whichever one runs
         shadow = [d for d in dp.drafters if d in usable and self.engine.drafters[d].cheap]
         gen = (self.engine.start(prompt_ids, params, domain=domain) if batch is None
-               else batch.add(prompt_ids, params, domain=domain))
+               else batch.add(prompt_ids, params, domain=domain, priority=priority))
         return RoutedGeneration(self, gen, policy, classification, plan, controller, shadow,
                                 candidates if plan.reason != FORCED else ())
 
@@ -566,9 +566,10 @@ class RoutedBatch:
         return len(self.batch.waiting)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, text: str,
-            speculation: Speculation = Speculation()) -> RoutedGeneration:
-        """Classify, plan and queue a request. Raises RequestError for a bad request."""
-        routed = self.router.start(prompt_ids, params, text, speculation, batch=self.batch)
+            speculation: Speculation = Speculation(), priority: int = 0) -> RoutedGeneration:
+        """Classify, plan and queue a request (`priority`: the scheduler's). Raises RequestError for
+        a bad request."""
+        routed = self.router.start(prompt_ids, params, text, speculation, batch=self.batch, priority=priority)
         self.requests[routed.gen] = routed
         return routed
 
