@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from bench.concurrency import percentile
+from bench.report import save
 from bench.runner import bench_router
 from policies.schema import load_policy
 from workers.batch import BatchEngine
@@ -237,9 +238,7 @@ def main() -> None:
     text = report(results)
     print(text)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(results, indent=2))
-        (args.out / "report.md").write_text(text + "\n")
+        save(args.out, results, text)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from bench.concurrency import percentile
+from bench.report import save
 from workers.batch import BatchEngine
 from workers.config import load_engine_config
 from workers.engine import Generation, SpecEngine, StepOrder
@@ -169,9 +170,7 @@ def main() -> None:
     text = report(results)
     print(text)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(results, indent=2))
-        (args.out / "report.md").write_text(text + "\n")
+        save(args.out, results, text)
 
 
 if __name__ == "__main__":

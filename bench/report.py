@@ -6,12 +6,20 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from matplotlib.figure import Figure  # the OO API: Agg canvas, no pyplot global state
 
 from bench.summary import OVERALL, PLAIN_METHOD
 
 TABLE_HEADER = "| category | method | speedup | MAT | tok/s | lossless |"
+
+
+def save(out: Path, results: dict[str, Any], text: str) -> None:
+    """DIR/results.json and DIR/report.md of a benchmark whose report is one text."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "report.md").write_text(text + "\n")
 
 
 def _fmt(value: float | None, spec: str) -> str:
