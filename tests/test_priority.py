@@ -45,6 +45,17 @@ def test_the_waiting_queue_is_ordered_by_priority_then_arrival(tiny_engine: Spec
     assert batch.running == [c] and list(batch.waiting) == [e, a, b, d] and batch.num_preemptions == 0
 
 
+def test_prompt_chunks_serve_the_higher_priority_first(tiny_engine: SpecEngine) -> None:
+    batch = BatchEngine(_scheduled(tiny_engine, policy="priority", max_num_batched_tokens=8))
+    params = SamplingParams(max_tokens=2)
+    low = batch.add(list(range(1, 30)), params, priority=1)
+    batch.schedule()
+    high = batch.add(list(range(30, 60)), params)
+    batch.schedule()
+    assert batch.running == [low, high]  # both hold a slot, low admitted first
+    assert batch.step().prefilled == [(high, 8)]
+
+
 # -- the shipped target -------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=["int4", "bfloat16"])
 def engine(request: pytest.FixtureRequest) -> SpecEngine:

@@ -14,8 +14,8 @@ Each step then:
      a drafter that can (`BatchDrafter`: the small model, EAGLE, Medusa) proposes for all the
      requests using it in one call, its own network run once for them;
   2. requests still prefilling get prompt chunks from what is left of the step's token budget
-     (`max_num_batched_tokens`), so a long prompt is spread over several steps instead of
-     stalling everyone else's next token;
+     (`max_num_batched_tokens`; in admission order, or by priority under the priority policy), so
+     a long prompt is spread over several steps instead of stalling everyone else's next token;
   3. one target forward (`forward_batch`) runs every row; verification, KV rollback, emission
      and the drafters' commits then run per request (`Generation.complete`).
 Finished requests leave `running` and give their slot back at once; their owner reads their
@@ -46,6 +46,11 @@ from workers.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 PLAIN_STEP = StepOrder()
+
+
+def _rank(gen: Generation) -> tuple[int, float]:
+    """A request's place under the priority policy: its priority (lower first), then its arrival."""
+    return gen.priority, gen.started_at
 
 
 @dataclass
@@ -148,8 +153,8 @@ class BatchEngine:
         budget = self.config.max_num_batched_tokens - sum(p.input_ids.shape[0] for _, p in prepared)
         chunks: list[tuple[Generation, int]] = []
         inputs = [SeqInput(p.input_ids, gen.cache, "all", p.tree) for gen, p in prepared]
-        for gen in self.running:
-            if gen.num_to_prefill and budget > 0:
+        for gen in self._prefilling():
+            if budget > 0:
                 ids = gen.prefill_input(budget)
                 budget -= ids.shape[0]
                 chunks.append((gen, ids.shape[0]))
@@ -257,8 +262,7 @@ class BatchEngine:
         if self.config.policy == "fcfs":
             self.waiting.append(gen)
             return
-        i = bisect.bisect_right(self.waiting, (gen.priority, gen.started_at), key=lambda g: (g.priority, g.started_at))
-        self.waiting.insert(i, gen)
+        self.waiting.insert(bisect.bisect_right(self.waiting, _rank(gen), key=_rank), gen)
 
     def _preempt_for(self, gen: Generation) -> bool:
         """Under the priority policy, preempt the running requests of lower priority than `gen`,
@@ -267,7 +271,7 @@ class BatchEngine:
         if self.config.policy != "priority":
             return False
         lower = sorted((g for g in self.running if g.priority > gen.priority and g.prompt_logprobs is None),
-                       key=lambda g: (g.priority, g.started_at), reverse=True)
+                       key=_rank, reverse=True)
         for n in range(1, len(lower) + 1):
             if self._room(gen, n, sum(g.ctx.max_len for g in lower[:n])):
                 for victim in lower[:n]:
@@ -278,6 +282,12 @@ class BatchEngine:
                     self._enqueue(victim)
                 return True
         return False
+
+    def _prefilling(self) -> list[Generation]:
+        """The running requests still prefilling, in the order a step's token budget serves them:
+        admission order, or by priority then arrival under the priority policy."""
+        pending = [g for g in self.running if g.num_to_prefill]
+        return sorted(pending, key=_rank) if self.config.policy == "priority" else pending
 
     def _prompt_reusable(self, gen: Generation) -> list[int]:
         """The tokens of a waiting request's sequence (its prompt; a preempted one's output too) it
@@ -326,7 +336,8 @@ class BatchEngine:
         return 0 if gen.prompt_logprobs is not None else min(length, gen.num_prompt - 1)
 
     def _release(self, gen: Generation) -> None:
-        """Free a finished request's slot; with prefix caching what it may share stays there."""
+        """Free a request's slot (finished, cancelled or preempted); with prefix caching what it may
+        share stays there."""
         if self.prefix is None or gen.cache is None:
             gen.release_cache()
             return

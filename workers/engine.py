@@ -137,7 +137,7 @@ class Generation:
         self.started_at = time.perf_counter()  # the request's start: its queueing and prefill count
         self.prefill_s = 0.0
         self.ttft_s: float | None = None
-        self.num_prefilled = 0  # prompt tokens in the cache; the last one runs in the first step
+        self.num_prefilled = 0  # positions in the cache while prefilling; the last token runs in a step
         self.num_cached = 0  # of those, the ones found there (a reused prefix), not run
         # where prefilling ends: the prompt's last token, or a preempted request's last token
         self._prefill_end = len(prompt_ids) - 1
@@ -332,9 +332,10 @@ class Generation:
         return stats
 
     def prefill_input(self, max_tokens: int) -> torch.Tensor:
-        """The next chunk of at most max_tokens prompt tokens to run (scheduler-driven prefill)."""
+        """The next chunk of at most max_tokens tokens to prefill (scheduler-driven): the prompt's,
+        then a resumed request's output, never both in one chunk."""
         a = self.num_prefilled
-        end = self._prefill_end if a >= self.num_prompt - 1 else self.num_prompt - 1  # a chunk is one kind of row
+        end = self._prefill_end if a >= self.num_prompt - 1 else self.num_prompt - 1
         return torch.tensor(self.ctx.token_ids[a : a + min(max_tokens, end - a)], dtype=torch.long,
                             device=self.device)
 
