@@ -383,6 +383,8 @@ def test_grafana_dashboard_queries_existing_metrics(base_url: str, traffic: list
                 "specroute_e2e_request_latency_seconds_bucket", "specroute_draft_stage_seconds_bucket",
                 "specroute_verify_stage_seconds_bucket", "specroute_stats_store_connected"}
     assert contract <= used
+    assert {"specroute_prefix_cache_hits_total", "specroute_prefix_cache_queries_total",
+            "specroute_num_preemptions_total", "specroute_prefix_cache_tokens"} <= used
     for name in ("datasources/prometheus.yaml", "dashboards/specroute.yaml"):
         assert yaml.safe_load((REPO / "deploy/grafana/provisioning" / name).read_text())["apiVersion"] == 1
 

@@ -3,11 +3,13 @@ Ray instance per process, and tests/test_serve.py keeps one up for its module.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import requests
 import yaml
 from helpers import serve_tiny_app
+from prometheus_client.parser import text_string_to_metric_families
 
 from workers.config import EngineConfig
 
@@ -28,3 +30,27 @@ def test_serve_config_overrides_and_user_config_apply(tiny_config: EngineConfig,
         assert r.json()["speculation"]["policy_version"] == "from-user-config"
         worker = serve.status().applications["specroute"].deployments["TargetWorker"]
         assert worker.status == "HEALTHY"
+
+
+def test_priority_policy_preempts_over_http(tiny_config: EngineConfig, tmp_path: Path) -> None:
+    """`scheduler.policy: priority` over HTTP: with one KV slot, a request of priority 0 sent while
+    one of priority 1 streams a long answer preempts it and is answered; the preempted request
+    resumes and completes, and /metrics and /v1/stats count one preemption."""
+    scheduler = tiny_config.scheduler.model_copy(update={"policy": "priority", "max_num_seqs": 1})
+    with serve_tiny_app(tiny_config.model_copy(update={"scheduler": scheduler}), tmp_path, MODEL) as url:
+        low = {"prompt": "Once upon a time", "max_tokens": 600, "ignore_eos": True, "priority": 1, "stream": True,
+               "stream_options": {"include_usage": True}, "speculation": {"drafter": "none"}}
+        with requests.post(f"{url}/v1/completions", json=low, stream=True, timeout=120) as stream:
+            events = (line[len(b"data: "):] for line in stream.iter_lines() if line.startswith(b"data: "))
+            first = json.loads(next(events))  # the low-priority request holds the slot
+            high = requests.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "ignore_eos": True},
+                                 timeout=60)
+            rest = list(events)
+        assert first["choices"][0]["text"] is not None and rest[-1] == b"[DONE]"
+        assert high.status_code == 200, high.text
+        assert high.json()["usage"]["completion_tokens"] == 4
+        assert json.loads(rest[-2])["usage"]["completion_tokens"] == 600
+        metrics = {s.name: s.value for f in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=30).text)
+                   for s in f.samples}
+        assert metrics["specroute_num_preemptions_total"] == 1
+        assert requests.get(f"{url}/v1/stats", timeout=30).json()["batching"]["num_preemptions"] == 1
