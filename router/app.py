@@ -452,7 +452,8 @@ class OpenAIIngress:
         created = int(time.time())
         messages = [m.as_template_message() for m in body.messages]
         tool_calls = body.tool_calls
-        held = [""] * body.n  # a choice's calls go out whole, in its last chunk
+        held = [""] * body.n  # a choice's output: its calls go out whole, in its last chunk
+        sent = [""] * body.n  # of an answer to tools ("auto"), the content streamed
 
         def chunk(index: int, text: str, finish: str | None = None, spec: SpeculationInfo | None = None,
                   role: str | None = None, logprobs: list[TokenLogprobs] | None = None) -> ChatCompletionChunk | None:
@@ -460,11 +461,16 @@ class OpenAIIngress:
             if tool_calls is not None and role is None:
                 held[index] += text
                 if finish is None and text:
-                    return None
+                    content = tool_calls.streamed_content(held[index])
+                    if not (new := (content or "")[len(sent[index]):]):
+                        return None
+                    sent[index] += new
+                    delta = ChatDelta(content=new)
                 if finish is not None:
                     answer = tool_calls.answer(held[index], finish)
                     finish = answer.finish_reason
-                    delta = ChatDelta(content=answer.content, tool_calls=None if answer.calls is None else [
+                    rest = None if answer.content is None else answer.content[len(sent[index]):]
+                    delta = ChatDelta(content=rest, tool_calls=None if answer.calls is None else [
                         ToolCallDelta(index=i, **_tool_call(c).model_dump()) for i, c in enumerate(answer.calls)])
             choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish,
                                      logprobs=None if logprobs is None else ChatLogprobs.of(logprobs))

@@ -12,9 +12,8 @@ off the prefill's rows; the first token has none): lm-evaluation-harness's logli
 `response_format` (OpenAI's `json_object` / `json_schema`, on both endpoints) and vLLM's
 `structured_outputs` (`json`, `regex`, `choice`, `grammar`) hold the output to a format: every
 verified row is masked by the grammar (workers/structured.py), so speculation stays lossless.
-`tools` with `tool_choice` "required" or a named function are decoded the same way, under the
-calls' schemas (router/tools.py); "auto" needs a parser for the model's own tool-call syntax and
-is refused.
+`tools` are decoded the same way, under the calls' schemas (router/tools.py): "required" calls,
+a named function's, or with "auto" (the default) calls or an answer, which streams as content.
 
 Every field OpenAI defines is accepted. Those that do not change what is generated (`user`,
 `metadata`, ...) are ignored; those this server does not implement (`functions`, `audio`, ...)
@@ -401,7 +400,8 @@ class ChatCompletionRequest(GenerationRequestBase):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, validate_default=True,
-        description='"required" or a named function: calls decoded under their schemas; "auto" is refused')
+        description='"auto" (the default with tools: calls or an answer), "required" or a named function: calls '
+                    'decoded under their schemas; "none": an answer')
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -417,14 +417,11 @@ class ChatCompletionRequest(GenerationRequestBase):
     @classmethod
     def _tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
         names = [t.function.name for t in info.data.get("tools") or []]
-        if value in (None, "auto") and names:
-            raise ValueError('"auto" (the default with tools) needs a parser for the model\'s own tool-call syntax, '
-                             'which this server does not have: send "required", a named function or "none"')
         if value == "required" and not names:
             raise ValueError('"required" needs tools')
         if isinstance(value, NamedToolChoice) and value.function.name not in names:
             raise ValueError(f"no tool is named {value.function.name!r} (tools: {', '.join(names) or 'none'})")
-        calls = value == "required" or isinstance(value, NamedToolChoice)
+        calls = bool(names) and value != "none"
         formats = (info.data.get("structured_outputs"), info.data.get("response_format"))
         if calls and (formats[0] is not None or formats[1] not in (None, ResponseFormat(type="text"))):
             raise ValueError("tool calls have their own format: send it without response_format or structured_outputs")
@@ -434,10 +431,12 @@ class ChatCompletionRequest(GenerationRequestBase):
 
     @staticmethod
     def _tool_calls(tools: list[Tool] | None, choice: Any, parallel: bool) -> ToolChoice | None:
-        if not tools or choice not in ("required",) and not isinstance(choice, NamedToolChoice):
+        if not tools or choice == "none":
             return None
         schemas = {t.function.name: t.function.parameters or NO_PARAMETERS for t in tools}
-        return ToolChoice(schemas, choice.function.name if isinstance(choice, NamedToolChoice) else None, parallel)
+        if isinstance(choice, NamedToolChoice):
+            return ToolChoice(schemas, choice.function.name, parallel)
+        return ToolChoice(schemas, None, parallel, auto=choice != "required")
 
     @property
     def tool_calls(self) -> ToolChoice | None:

@@ -1,12 +1,14 @@
-"""Tool calls by constrained decoding (OpenAI's `tools` with `tool_choice` "required" or a named
-function, as vLLM serves them without a model-specific parser).
+"""Tool calls by constrained decoding (OpenAI's `tools` with any `tool_choice`), for any model: no
+parser of a model's own tool-call syntax is needed.
 
 A named function: the output is held to the function's `parameters` schema and becomes that
 call's `arguments`. "required": the output is held to a JSON array of one or more
 `{"name": ..., "parameters": {...}}` objects, one schema per tool (`parallel_tool_calls: false`:
-exactly one), and each element becomes a call. The grammar does the work, so every drafter stays
-lossless (workers/structured.py) and a call always parses, unless max_tokens cut it short.
-"auto" needs a parser for the model's own tool-call syntax, which this server does not have.
+exactly one), and each element becomes a call. "auto" (the default with tools): the output is
+`{"tool_calls": [...]}` with that array, or `{"response": "..."}`, the model's answer, which
+becomes the message's content and streams as it is written (llama.cpp's generic tool calls).
+The grammar does the work, so every drafter stays lossless (workers/structured.py) and a call
+always parses, unless max_tokens cut it short.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from workers.structured import OutputFormat
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: parameters omitted
+_RESPONSE_OPEN = '{"response": "'  # how an "auto" answer starts (JSON as json.dumps writes it)
 
 
 @dataclass(frozen=True)
@@ -38,11 +41,12 @@ class Answer:
 @dataclass(frozen=True)
 class ToolChoice:
     """The calls a request asks for: one function by `name`, or any of `tools` (name -> parameters
-    schema) when `name` is None."""
+    schema) when `name` is None, where `auto` lets the model answer instead."""
 
     tools: dict[str, dict[str, Any]]
     name: str | None = None
     parallel: bool = True
+    auto: bool = False
 
     @property
     def output_format(self) -> OutputFormat:
@@ -54,14 +58,52 @@ class ToolChoice:
         array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_of}}
         if not self.parallel:
             array["maxItems"] = 1
-        return OutputFormat.json_schema(array)
+        if not self.auto:
+            return OutputFormat.json_schema(array)
+        return OutputFormat.json_schema({"anyOf": [
+            {"type": "object", "properties": {"tool_calls": array}, "required": ["tool_calls"],
+             "additionalProperties": False},
+            {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+             "additionalProperties": False},
+        ]})
 
     def answer(self, text: str, finish_reason: str) -> Answer:
         """The message of an output held to `output_format` that ended with `finish_reason`."""
         if self.name is not None:  # the arguments as written, cut short or not (OpenAI's "length")
             return Answer([Call(self.name, text)], None, finish_reason)
         try:
-            calls = [Call(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
-        except (ValueError, TypeError, KeyError):  # max_tokens ended the array early
-            return Answer(None, text, finish_reason)
+            value = json.loads(text)
+            if self.auto:
+                if "response" in value:
+                    return Answer(None, value["response"], finish_reason)
+                value = value["tool_calls"]
+            calls = [Call(c["name"], json.dumps(c["parameters"])) for c in value]
+        except (ValueError, TypeError, KeyError):  # max_tokens ended the JSON early
+            content = self.streamed_content(text)
+            return Answer(None, text if not content else content, finish_reason)
         return Answer(calls, None, "tool_calls" if finish_reason == "stop" else finish_reason)
+
+    def streamed_content(self, text: str) -> str | None:
+        """What of an output so far may stream as the message's content: under "auto", while it
+        is an answer (`{"response": "...`), the answer's text as far as it decodes whole ("" while
+        the output may still become one); None where it is calls (they go out whole, at the end)."""
+        if not self.auto or not (text.startswith(_RESPONSE_OPEN) or _RESPONSE_OPEN.startswith(text)):
+            return None
+        return json_string_prefix(text[len(_RESPONSE_OPEN):])
+
+
+def json_string_prefix(body: str) -> str:
+    """The text of a JSON string so far, `body` being what follows its opening quote: up to its
+    closing quote or its last whole character (an escape cut short, or a high surrogate without
+    its pair, waits for the rest)."""
+    end, i = len(body), 0
+    while i < end and body[i] != '"':
+        step = 1
+        if body[i] == "\\":
+            step = 6 if body[i + 1 : i + 2] == "u" else 2
+            if body[i + 1 : i + 2] == "u" and 0xD800 <= int(body[i + 2 : i + 6].ljust(4, "0"), 16) <= 0xDBFF:
+                step = 12  # a surrogate pair: \uD8xx\uDCxx
+            if i + step > end:
+                break
+        i += step
+    return json.loads(f'"{body[:i]}"')

@@ -84,7 +84,8 @@ def _worker_status() -> dict:
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": -1}, "logprobs"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "response_format": {"type": "json_object"}}, "tool_choice"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
                               "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {

@@ -434,6 +434,32 @@ def test_tool_calls_named_and_required_streamed_and_not(client) -> None:
     assert plain.message.tool_calls is None and plain.message.content
 
 
+def test_tool_choice_auto_calls_or_answers_streamed_and_not(client) -> None:
+    """"auto", the default with tools: the model calls tools or answers, under one grammar; an
+    answer streams as content deltas that add up to the message the same request gets unstreamed,
+    calls go out whole (an answer max_tokens cuts short keeps what it wrote). Sampled over seeds,
+    the tiny model does both."""
+    kinds = set()
+    for seed in range(12):
+        common = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 40,
+                  "temperature": 1.0, "seed": seed, "tools": [WEATHER, NOW]}
+        choice = client.chat.completions.create(**common).choices[0]
+        chunks = list(client.chat.completions.create(stream=True, **common))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        streamed = "".join(d.content or "" for d in deltas)
+        if choice.message.tool_calls is not None:
+            kinds.add("calls")
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None and not streamed
+            assert [c.function.name for c in choice.message.tool_calls] == \
+                   [c.function.name for c in deltas[-1].tool_calls]
+            assert all(c.function.name in ("get_weather", "now") for c in choice.message.tool_calls)
+        else:
+            kinds.add("answer" if choice.finish_reason == "stop" else "cut")
+            assert choice.finish_reason in ("stop", "length") and streamed == choice.message.content
+            assert all(d.tool_calls is None for d in deltas)
+    assert "calls" in kinds and kinds & {"answer", "cut"}  # the random model's answers run to max_tokens
+
+
 def arguments_text(response) -> str:
     return response.choices[0].message.tool_calls[0].function.arguments
 
@@ -523,8 +549,7 @@ LONG_PROMPT = "lorem ipsum " * 600  # > 1024 tokens, the tiny config's max_model
     ("completions", {}, "prompt"),
     ("completions", {"prompt": "hi", "stop": 3}, "stop"),
     ("chat", {"prediction": "x"}, "prediction"),
-    ("chat", {"tools": [WEATHER]}, "tool_choice"),
-    ("chat", {"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ("chat", {"tools": [WEATHER], "response_format": {"type": "json_object"}}, "tool_choice"),  # "auto" by default
     ("chat", {"tool_choice": "required"}, "tool_choice"),
     ("chat", {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},

@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
+from workers.chat import with_tools_described
 from workers.config import PLAIN, EngineConfig
 from workers.drafters.base import (
     BatchDrafter,
@@ -580,12 +581,20 @@ class SpecEngine:
     def encode(self, prompt: str | list[dict[str, str]], *, chat: bool = True,
                tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a prompt; a string is wrapped as one user message when chat is True. `tools`:
-        OpenAI's tool definitions, for a chat template that renders them."""
+        OpenAI's tool definitions, rendered by the chat template, or where it does not render them,
+        listed in the system message (workers/chat.py)."""
         tok = self.target.tokenizer
         if isinstance(prompt, list) or (chat and tok.chat_template):
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            return list(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False))
+
+            def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+                return list(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False))
+
+            ids = render(messages, tools)
+            if tools and ids == render(messages, None):
+                ids = render(with_tools_described(messages, tools), None)
+            return ids
         return tok.encode(prompt)
 
     def encode_text(self, text: str) -> list[int]:
