@@ -341,23 +341,48 @@ class CompletionRequest(GenerationRequestBase):
         return list(self.prompt)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    # OpenAI message fields the chat template does not read
-    name: str | None = None
-    tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    refusal: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls, as they were answered")
+    tool_call_id: str | None = Field(None, description="the call a tool message answers")
+    name: str | None = None  # OpenAI's, not read
+    refusal: str | None = None  # OpenAI's, not read
 
-    def as_template_message(self) -> dict[str, str]:
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it (Hugging Face's convention: a call's arguments
+        as an object, where they parse)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class FunctionDefinition(BaseModel):
@@ -584,17 +609,6 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     speculation: SpeculationInfo | None = None
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # JSON text
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
 
 
 class ToolCallDelta(ToolCall):

@@ -460,6 +460,20 @@ def test_tool_choice_auto_calls_or_answers_streamed_and_not(client) -> None:
     assert "calls" in kinds and kinds & {"answer", "cut"}  # the random model's answers run to max_tokens
 
 
+def test_a_conversation_goes_on_after_a_tool_call(base_url: str) -> None:
+    """The agent's loop: the assistant's call and the tool's result sent back; a call that is not
+    OpenAI's shape is a 400 naming it."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": None,
+                "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"}]
+    r = _chat(base_url, messages=messages, tools=[WEATHER], max_tokens=8)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+    messages[1]["tool_calls"] = [{"id": "call_1", "type": "function", "function": {"arguments": "{}"}}]
+    r = _chat(base_url, messages=messages, tools=[WEATHER], max_tokens=8)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].tool_calls[0].function.name", r.text
+
+
 def arguments_text(response) -> str:
     return response.choices[0].message.tool_calls[0].function.arguments
 

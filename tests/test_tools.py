@@ -8,8 +8,9 @@ import json
 
 import pytest
 
+from router.schemas import ChatMessage
 from router.tools import Answer, Call, ToolChoice, json_string_prefix
-from workers.chat import TOOLS_INTRO, with_tools_described
+from workers.chat import TOOLS_INTRO, calls_text, with_tools_described
 from workers.engine import SpecEngine
 from workers.structured import format_error
 
@@ -60,6 +61,22 @@ def test_tools_are_described_in_the_system_message() -> None:
     assert system["content"].splitlines() == [TOOLS_INTRO, json.dumps(tools[0]["function"])]
     [merged, _] = with_tools_described([{"role": "system", "content": "Be brief."}, user], tools)
     assert merged["content"].startswith("Be brief.\n\n" + TOOLS_INTRO)
+
+
+def test_earlier_calls_are_written_as_the_model_writes_calls() -> None:
+    """An agent's loop sends the assistant's calls back with the tool's result: where the template
+    does not render tools, the calls become the assistant's text in the form "auto" writes, which
+    parses back into the same calls."""
+    sent = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]})
+    message = sent.as_template_message()
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    result = ChatMessage(role="tool", content="21 C", tool_call_id="call_1").as_template_message()
+    assert result == {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}
+    [_, assistant, tool] = with_tools_described([message, result], [{"type": "function", "function": {
+        "name": "get_weather", "parameters": WEATHER}}])
+    assert assistant == {"role": "assistant", "content": calls_text(message["tool_calls"])} and tool == result
+    assert AUTO.answer(assistant["content"], "stop").calls == [Call("get_weather", '{"city": "Paris"}')]
 
 
 def test_a_template_without_tools_gets_them_in_its_system_message(tiny_engine: SpecEngine) -> None:

@@ -3,23 +3,39 @@
 A chat template that knows tools (Qwen's, Llama 3's, Hermes') writes the request's tool
 definitions into the prompt itself. One that does not (SmolLM2's) would leave the model unaware
 of them, while the output is held to their calls' schemas (router/tools.py): the definitions then
-go into the system message, as llama.cpp's generic tool-call handling does.
+go into the system message, as llama.cpp's generic tool-call handling does, and an assistant's
+earlier calls into its text, written as the model writes calls under "auto".
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 TOOLS_INTRO = "You can call these tools (their parameters as JSON Schema):"
 
 
+def calls_text(calls: Sequence[Mapping[str, Any]]) -> str:
+    """Calls (a template message's `tool_calls`) as an output under "auto" writes them:
+    `{"tool_calls": [{"name": ..., "parameters": {...}}]}` (router/tools.py)."""
+    return json.dumps({"tool_calls": [{"name": c["function"]["name"], "parameters": c["function"]["arguments"]}
+                                      for c in calls]})
+
+
 def with_tools_described(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """`messages` with OpenAI's tool definitions listed in their system message (a new first one
-    where there is none)."""
+    where there is none) and each assistant's calls in its text."""
     text = "\n".join([TOOLS_INTRO, *(json.dumps(t.get("function", t)) for t in tools)])
-    if messages and messages[0].get("role") == "system":
-        first = messages[0]
-        return [{**first, "content": f"{first.get('content') or ''}\n\n{text}"}, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
+    out = [_calls_in_text(m) for m in messages]
+    if out and out[0].get("role") == "system":
+        return [{**out[0], "content": f"{out[0].get('content') or ''}\n\n{text}"}, *out[1:]]
+    return [{"role": "system", "content": text}, *out]
+
+
+def _calls_in_text(message: dict[str, Any]) -> dict[str, Any]:
+    if not message.get("tool_calls"):
+        return message
+    calls = calls_text(message["tool_calls"])
+    content = message.get("content")
+    return {"role": message["role"], "content": f"{content}\n{calls}" if content else calls}

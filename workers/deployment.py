@@ -46,7 +46,7 @@ T = TypeVar("T")
 class GenerateRequest:
     """One request as the ingress hands it over: prompt, sampling, and the speculation plan."""
 
-    prompt: str | list[dict[str, str]]  # raw text (no chat template) or chat messages
+    prompt: str | list[dict[str, Any]]  # raw text (no chat template) or chat messages (as templates read them)
     prompt_token_ids: tuple[int, ...] | None = None  # a prompt given as token ids (then `prompt` is unused)
     max_tokens: int | None = None  # None: SamplingParams' default
     temperature: float = 0.0
