@@ -85,6 +85,7 @@ def test_dashboard_charts_show_data(base_url: str, traffic: None, tmp_path: Path
     assert set(has) == set(CHARTS)
     assert all(has[c] == "true" for c in ("acceptance", "mal", "speedup", "acceptance_t", "decisions_t")), has
     assert re.search(r'id="version">default-7<', out.stdout)
+    assert re.search(r'id="batch">[^<]*prefix cache [^<]* hits \(\d+ tokens held\), 0 preemptions<', out.stdout)
 
     shot = tmp_path / "dashboard.png"
     _browser(f"--screenshot={shot}", f"{base_url}/dashboard?every=1")
