@@ -479,13 +479,14 @@ class OpenAIIngress:
 
         def message(text: str, finish: str) -> tuple[AssistantMessage, str]:
             if tool_calls is None:
-                return AssistantMessage(content=text), finish
+                return AssistantMessage(content=body.echoed + text), finish
             answer = tool_calls.answer(text, finish)
             calls = None if answer.calls is None else [_tool_call(c) for c in answer.calls]
             return AssistantMessage(content=answer.content, tool_calls=calls), answer.finish_reason
 
         if body.stream:
-            return await self._stream(body, [messages], chunk, lambda index: chunk(index, "", role="assistant"))
+            return await self._stream(body, [messages], chunk,
+                                      lambda index: chunk(index, body.echoed, role="assistant"))
         outs = await self._generate(body, [messages])
         answers = [message(out.text, out.finish_reason or "length") for out in outs]
         return ChatCompletionResponse(
@@ -581,7 +582,8 @@ class OpenAIIngress:
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
             prediction=body.prediction.text if body.prediction is not None else None, echo=body.echoes,
             output_format=body.output_format,
-            tools=body.template_tools, priority=body.priority,
+            tools=body.template_tools, generation_prompt=body.generation_prompt,
+            continue_final_message=body.continues_last_message, priority=body.priority,
         )
         seed = body.seed
         return [replace(request, **_prompt_fields(prompt), **({} if seed is None else {"seed": seed + i}))

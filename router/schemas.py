@@ -225,6 +225,16 @@ class GenerationRequestBase(BaseModel):
         return None
 
     @property
+    def generation_prompt(self) -> bool:
+        """Whether the chat template opens the assistant's message after the chat."""
+        return True
+
+    @property
+    def continues_last_message(self) -> bool:
+        """Whether the output continues the chat's last message, left open."""
+        return False
+
+    @property
     def output_format(self) -> OutputFormat | None:
         """What the output must match, if anything."""
         if self.structured_outputs is not None:
@@ -427,6 +437,14 @@ class ChatCompletionRequest(GenerationRequestBase):
         None, validate_default=True,
         description='"auto" (the default with tools: calls or an answer), "required" or a named function: calls '
                     'decoded under their schemas; "none": an answer')
+    # extensions, as in vLLM: an assistant message started by the client and continued
+    add_generation_prompt: bool = Field(True, description="extension: open the assistant's message after the "
+                                                          "chat (the template's generation prompt)")
+    continue_final_message: bool = Field(
+        False, description="extension: leave the last message open and continue it (an assistant message the "
+                           "client started); needs add_generation_prompt: false")
+    echo: bool = Field(False, description="extension: the answer's content starts with the last message's, "
+                                          "when that message is the assistant's")
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -476,6 +494,37 @@ class ChatCompletionRequest(GenerationRequestBase):
     def output_format(self) -> OutputFormat | None:
         calls = self.tool_calls
         return calls.output_format if calls is not None else super().output_format
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_final_message(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("continues the last message, so the template must not open another: "
+                             "send add_generation_prompt: false")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("tools") and info.data.get("tool_choice") != "none":
+            raise ValueError("echoes text, and tool calls are not text: send it without tools or with "
+                             'tool_choice "none"')
+        return value
+
+    @property
+    def generation_prompt(self) -> bool:
+        return self.add_generation_prompt
+
+    @property
+    def continues_last_message(self) -> bool:
+        return self.continue_final_message
+
+    @property
+    def echoed(self) -> str:
+        """What the answer's content starts with: the last message's, where `echo` asks and it is
+        the assistant's."""
+        last = self.messages[-1]
+        return last.as_template_message()["content"] if self.echo and last.role == "assistant" else ""
 
     @field_validator("top_logprobs")
     @classmethod

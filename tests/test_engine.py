@@ -753,3 +753,15 @@ def test_encode_applies_the_chat_template(engine: SpecEngine) -> None:
     raw = engine.encode("Hello there", chat=False)
     assert raw == tok.encode("Hello there")
     assert len(raw) < len(ids)
+
+
+def test_encode_continues_a_started_assistant_message(engine: SpecEngine) -> None:
+    """vLLM's continue_final_message: the assistant's message the client started stays open (its
+    end token cut), so the output continues it; without the generation prompt the chat just ends."""
+    tok = engine.tokenizer
+    chat = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "My favourite is"}]
+    continued = tok.decode(engine.encode(chat, generation_prompt=False, continue_final_message=True))
+    assert continued.endswith("<|im_start|>assistant\nMy favourite is")
+    closed = tok.decode(engine.encode(chat, generation_prompt=False))
+    assert closed.rstrip().endswith("My favourite is<|im_end|>")
+    assert tok.decode(engine.encode(chat)).rstrip().endswith("<|im_end|>\n<|im_start|>assistant")

@@ -434,6 +434,21 @@ def test_tool_calls_named_and_required_streamed_and_not(client) -> None:
     assert plain.message.tool_calls is None and plain.message.content
 
 
+def test_an_assistant_message_continued_and_echoed_streamed_and_not(client) -> None:
+    """vLLM's continue_final_message with add_generation_prompt false: the output continues the
+    assistant message the client started; `echo` starts the content with it."""
+    common = {"model": MODEL, "max_tokens": 8, "temperature": 0, "messages": [
+        {"role": "user", "content": "Count: one two"}, {"role": "assistant", "content": "three four"}],
+        "extra_body": {"continue_final_message": True, "add_generation_prompt": False, "echo": True}}
+    content = client.chat.completions.create(**common).choices[0].message.content
+    assert content.startswith("three four") and len(content) > len("three four")
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **common) if c.choices]
+    assert deltas[0].role == "assistant" and deltas[0].content == "three four"
+    assert "".join(d.content or "" for d in deltas) == content
+    common["extra_body"]["echo"] = False
+    assert client.chat.completions.create(**common).choices[0].message.content == content[len("three four"):]
+
+
 def test_tool_choice_auto_calls_or_answers_streamed_and_not(client) -> None:
     """"auto", the default with tools: the model calls tools or answers, under one grammar; an
     answer streams as content deltas that add up to the message the same request gets unstreamed,
@@ -575,6 +590,8 @@ LONG_PROMPT = "lorem ipsum " * 600  # > 1024 tokens, the tiny config's max_model
      "structured_outputs"),
     ("chat", {"prediction": {"type": "file", "content": "x"}}, "prediction.type"),
     ("chat", {"priority": 3}, "priority"),  # the app schedules first come first served
+    ("chat", {"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is true
+    ("chat", {"tools": [WEATHER], "echo": True}, "echo"),
     ("completions", {"prompt": "hi", "prediction": {"type": "content", "content": "lorem ipsum " * 600}},
      "prediction"),
 ])

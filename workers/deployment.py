@@ -69,6 +69,8 @@ class GenerateRequest:
     echo: bool = False
     output_format: OutputFormat | None = None  # what the output must match (workers/structured.py)
     tools: list[dict[str, Any]] | None = None  # OpenAI's tool definitions, for a chat template that renders them
+    generation_prompt: bool = True  # the chat template opens the assistant's message after the chat
+    continue_final_message: bool = False  # the output continues the chat's last message, left open
     priority: int = 0  # lower first, under the scheduler's priority policy
 
     @property
@@ -358,7 +360,9 @@ class TargetWorker:
             text = slot.prompt_text = engine.tokenizer.decode(prompt_ids)
         else:
             try:
-                prompt_ids = engine.encode(r.prompt, chat=isinstance(r.prompt, list), tools=r.tools)
+                prompt_ids = engine.encode(r.prompt, chat=isinstance(r.prompt, list), tools=r.tools,
+                                           generation_prompt=r.generation_prompt,
+                                           continue_final_message=r.continue_final_message)
             except Exception as e:  # e.g. a chat template that refuses the roles given
                 raise RequestError(f"cannot tokenize the prompt: {e}", r.prompt_param) from None
             slot.prompt_text = r.prompt if isinstance(r.prompt, str) else ""

@@ -578,18 +578,22 @@ class SpecEngine:
         """Tokens' text and bytes, for the logprobs requests ask for."""
         return TokenText(self.target.tokenizer)
 
-    def encode(self, prompt: str | list[dict[str, str]], *, chat: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode(self, prompt: str | list[dict[str, Any]], *, chat: bool = True,
+               tools: list[dict[str, Any]] | None = None, generation_prompt: bool = True,
+               continue_final_message: bool = False) -> list[int]:
         """Token ids of a prompt; a string is wrapped as one user message when chat is True. `tools`:
         OpenAI's tool definitions, rendered by the chat template, or where it does not render them,
-        listed in the system message (workers/chat.py)."""
+        listed in the system message (workers/chat.py). `generation_prompt`: the template opens the
+        assistant's message; `continue_final_message`: the last message is left open, its end
+        token and what follows cut (transformers' options)."""
         tok = self.target.tokenizer
         if isinstance(prompt, list) or (chat and tok.chat_template):
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
 
             def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-                return list(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False))
+                return list(tok.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=generation_prompt,
+                    continue_final_message=continue_final_message, tokenize=True, return_dict=False))
 
             ids = render(messages, tools)
             if tools and ids == render(messages, None):
