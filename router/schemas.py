@@ -14,6 +14,9 @@ off the prefill's rows; the first token has none): lm-evaluation-harness's logli
 verified row is masked by the grammar (workers/structured.py), so speculation stays lossless.
 `tools` are decoded the same way, under the calls' schemas (router/tools.py): "required" calls,
 a named function's, or with "auto" (the default) calls or an answer, which streams as content.
+On chat, vLLM's `continue_final_message` continues an assistant message the client started (with
+`add_generation_prompt: false`), and `echo` starts the answer's content with it; `priority` (on
+both endpoints) orders admission under the scheduler's priority policy.
 
 Every field OpenAI defines is accepted. Those that do not change what is generated (`user`,
 `metadata`, ...) are ignored; those this server does not implement (`functions`, `audio`, ...)
