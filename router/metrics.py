@@ -125,11 +125,9 @@ class SpecRouteCollector:
 
     def _batching(self) -> Iterator[Metric]:
         b = self.obs.batching
-        running = GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests in the running batch")
-        running.add_metric([], b.num_running)
-        waiting = GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests waiting to be admitted to the batch")
-        waiting.add_metric([], b.num_waiting)
-        yield from (running, waiting)
+        yield GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests in the running batch", value=b.num_running)
+        yield GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests waiting to be admitted to the batch",
+                                value=b.num_waiting)
         for name, hist, help_ in (
             ("batch_size", b.batch_size, "Requests in one target forward (decoding or prefilling), per step"),
             ("step_tokens", b.step_tokens, "Target rows (tokens) in one forward, per step"),
@@ -137,23 +135,18 @@ class SpecRouteCollector:
             family = HistogramMetricFamily(f"{PREFIX}{name}", help_)
             family.add_metric([], _cumulative(hist.edges, hist.counts), hist.total)
             yield family
-        queries = CounterMetricFamily(f"{PREFIX}prefix_cache_queries", "Prompt tokens of the requests admitted")
-        queries.add_metric([], b.prefix_queries)
-        hits = CounterMetricFamily(f"{PREFIX}prefix_cache_hits",
-                                   "Prompt tokens found in the prefix cache, not prefilled")
-        hits.add_metric([], b.prefix_hits)
-        held = GaugeMetricFamily(f"{PREFIX}prefix_cache_tokens",
-                                 "Positions finished requests keep in free KV slots")
-        held.add_metric([], b.prefix_held_tokens)
-        preemptions = CounterMetricFamily(f"{PREFIX}num_preemptions",
-                                          "Running requests preempted for requests of higher priority")
-        preemptions.add_metric([], b.num_preemptions)
-        yield from (queries, hits, held, preemptions)
+        yield CounterMetricFamily(f"{PREFIX}prefix_cache_queries", "Prompt tokens of the requests admitted",
+                                  value=b.prefix_queries)
+        yield CounterMetricFamily(f"{PREFIX}prefix_cache_hits",
+                                  "Prompt tokens found in the prefix cache, not prefilled", value=b.prefix_hits)
+        yield GaugeMetricFamily(f"{PREFIX}prefix_cache_tokens", "Positions finished requests keep in free KV slots",
+                                value=b.prefix_held_tokens)
+        yield CounterMetricFamily(f"{PREFIX}num_preemptions", "Running requests preempted for requests of higher "
+                                  "priority", value=b.num_preemptions)
         if (goodput := b.goodput) is not None:
-            gauge = GaugeMetricFamily(f"{PREFIX}goodput_tokens_per_second",
-                                      "Tokens emitted per second of target steps, since the replicas started")
-            gauge.add_metric([], goodput)
-            yield gauge
+            yield GaugeMetricFamily(f"{PREFIX}goodput_tokens_per_second",
+                                    "Tokens emitted per second of target steps, since the replicas started",
+                                    value=goodput)
 
     def _traffic_memory(self) -> Iterator[Metric]:
         if not self.obs.traffic_memory:
