@@ -154,11 +154,12 @@ class BatchEngine:
         chunks: list[tuple[Generation, int]] = []
         inputs = [SeqInput(p.input_ids, gen.cache, "all", p.tree) for gen, p in prepared]
         for gen in self._prefilling():
-            if budget > 0:
-                ids = gen.prefill_input(budget)
-                budget -= ids.shape[0]
-                chunks.append((gen, ids.shape[0]))
-                inputs.append(SeqInput(ids, gen.cache, gen.prefill_logits))
+            if budget <= 0:
+                break
+            ids = gen.prefill_input(budget)
+            budget -= ids.shape[0]
+            chunks.append((gen, ids.shape[0]))
+            inputs.append(SeqInput(ids, gen.cache, gen.prefill_logits))
         if not inputs:
             return out
         t0 = time.perf_counter()
@@ -295,11 +296,11 @@ class BatchEngine:
         are asked for)."""
         if gen.prompt_logprobs is not None:
             return []
-        return gen.ctx.token_ids[: self._reusable(gen, len(gen.ctx.token_ids) - 1)]
+        return self._shared(gen, len(gen.ctx.token_ids) - 1)
 
     def _live(self) -> list[LiveSequence]:
         """The running requests' sequences as far as another prompt may reuse them."""
-        return [LiveSequence(g.cache.slot, g.ctx.token_ids[: self._reusable(g)], g.ctx.features)
+        return [LiveSequence(g.cache.slot, self._shared(g), g.ctx.features)
                 for g in self.running if g.cache is not None]
 
     def _awaits_prefix(self, gen: Generation) -> bool:
@@ -308,7 +309,7 @@ class BatchEngine:
         instead of prefilling the same positions beside it."""
         assert self.prefix is not None
         reusable = self._prompt_reusable(gen)
-        coming = max((common_prefix_len(g.ctx.token_ids[: self._reusable(g, len(g.ctx.token_ids) - 1)], reusable)
+        coming = max((common_prefix_len(self._shared(g, len(g.ctx.token_ids) - 1), reusable)
                       for g in self.running if g.num_to_prefill), default=0)
         return (coming >= WAIT_FOR_PREFIX_TOKENS
                 and coming - self.prefix.longest(reusable, self._live()) >= WAIT_FOR_PREFIX_TOKENS)
@@ -323,17 +324,17 @@ class BatchEngine:
         if self.kv_cache_tokens is not None:
             self.prefix.evict(self.kv_cache_tokens - self.num_reserved_tokens - gen.ctx.max_len)
 
-    def _reusable(self, gen: Generation, length: int | None = None) -> int:
-        """How many of a request's first `length` positions (default: all its cache holds) another
-        prompt may reuse exactly: all, or where prompt rows take other kernels than scored ones,
-        those its prompt rows computed (a request scoring its prompt computes them as scored rows:
-        none)."""
+    def _shared(self, gen: Generation, length: int | None = None) -> list[int]:
+        """The tokens of a request's first `length` positions (default: all its cache holds) whose
+        keys and values another prompt may reuse exactly: all, or where prompt rows take other
+        kernels than scored ones, those its prompt rows computed (a request scoring its prompt
+        computes them as scored rows: none)."""
         if length is None:
             assert gen.cache is not None
             length = gen.cache.length
-        if self.engine.target.model.prompt_rows_as_scored:
-            return length
-        return 0 if gen.prompt_logprobs is not None else min(length, gen.num_prompt - 1)
+        if not self.engine.target.model.prompt_rows_as_scored:
+            length = 0 if gen.prompt_logprobs is not None else min(length, gen.num_prompt - 1)
+        return gen.ctx.token_ids[:length]
 
     def _release(self, gen: Generation) -> None:
         """Free a request's slot (finished, cancelled or preempted); with prefix caching what it may
@@ -341,8 +342,8 @@ class BatchEngine:
         if self.prefix is None or gen.cache is None:
             gen.release_cache()
             return
-        keep = self._reusable(gen)
-        self.prefix.release(gen.detach_cache(), gen.ctx.token_ids[:keep], gen.ctx.features)
+        shared = self._shared(gen)  # while it holds its cache
+        self.prefix.release(gen.detach_cache(), shared, gen.ctx.features)
 
     def _forward(self, inputs: Sequence[SeqInput]) -> list[ForwardOutput]:
         return forward_rows(self.engine.target.model, inputs, self.engine.needs_hidden_states)
