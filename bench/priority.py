@@ -12,7 +12,7 @@ other policy's (greedy, on a target where a row's result does not depend on its 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from bench.concurrency import percentile
+from bench.prompts import load_prompts
 from bench.report import save
 from workers.batch import BatchEngine
 from workers.config import load_engine_config
@@ -48,9 +49,7 @@ def run_policy(engine: SpecEngine, policy: str, background: Sequence[list[int]],
     """One pass: `num_background` clients send `background` prompts in turn, one client sends
     `foreground` prompts, each `gap_s` after the last answer (priority 0 against 1 under the
     priority policy)."""
-    config = engine.config.scheduler.model_copy(update={"policy": policy})
-    batch = BatchEngine(SpecEngine(engine.target, engine.drafters,
-                                   engine.config.model_copy(update={"scheduler": config})))
+    batch = BatchEngine(engine.with_scheduler(policy=policy))
     run = PolicyRun()
     queues = {"bg": deque(enumerate(background)), "fg": deque(enumerate(foreground))}
     active: dict[Generation, tuple[str, int, float]] = {}  # -> (kind, index, sent)
@@ -154,11 +153,9 @@ def main() -> None:
     config = config.model_copy(update={"scheduler": config.scheduler.model_copy(
         update={"max_num_seqs": args.max_num_seqs})})
     engine = SpecEngine.from_config(config)
-    questions = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
-    writing = [q["turns"][0] for q in questions if q["category"] == "writing"]
-    qa = [q["turns"][0] for q in questions if q["category"] == "qa"][: args.foreground]
-    background = [engine.encode(t) for t in writing * 4]  # enough to keep the clients busy
-    foreground = [engine.encode(t) for t in qa]
+    writing = load_prompts(args.prompts, sys.maxsize, ["writing"])  # every one
+    background = [engine.encode(p.text) for p in writing * 4]  # enough to keep the clients busy
+    foreground = [engine.encode(p.text) for p in load_prompts(args.prompts, args.foreground, ["qa"])]
     bg_params = SamplingParams(max_tokens=args.background_tokens, ignore_eos=True)
     fg_params = SamplingParams(max_tokens=args.foreground_tokens)
     compare(engine, background[:4], foreground[:2], args.max_num_seqs, bg_params, fg_params, 0.0, 1)  # warm-up

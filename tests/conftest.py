@@ -89,6 +89,24 @@ def tiny_engine(tiny_config: EngineConfig):  # -> SpecEngine
     return SpecEngine.from_config(tiny_config)
 
 
+@pytest.fixture(scope="session", params=["int4", "bfloat16"])
+def row_invariant_engine(request: pytest.FixtureRequest):  # -> SpecEngine
+    """The shipped target on weights that score a row bit for bit alike in any batch: int4 (prompt
+    rows on a dense bfloat16 copy where the CPU has bfloat16 instructions) or bfloat16 (prompt
+    rows as scored rows); with prompt lookup and the shipped EAGLE drafter, which reads the
+    target's hidden states at every position."""
+    from workers.config import EagleDrafterConfig
+    from workers.engine import SpecEngine
+    from workers.models.bf16 import bfloat16_fast
+
+    if request.param == "bfloat16" and not bfloat16_fast(torch.device("cpu")):
+        pytest.skip("bfloat16 weights need a CPU with bfloat16 instructions")
+    return SpecEngine.from_config(EngineConfig(
+        target=TargetConfig(weights=request.param, max_model_len=1024),
+        drafters=[NgramDrafterConfig(), EagleDrafterConfig(path="models/eagle", draft_len=2)],
+    ))
+
+
 @pytest.fixture(scope="session")
 def real_engine():  # -> SpecEngine, the shipped target with the default drafters
     from workers.engine import SpecEngine

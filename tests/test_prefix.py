@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from workers.batch import BatchEngine
-from workers.config import PLAIN, EagleDrafterConfig, EngineConfig, NgramDrafterConfig, TargetConfig
+from workers.config import PLAIN
 from workers.engine import Generation, SpecEngine, StepOrder
-from workers.models.bf16 import bfloat16_fast
 from workers.models.llama import KVPool
 from workers.prefix import WAIT_FOR_PREFIX_TOKENS, LiveSequence, PrefixCache, Reuse, common_prefix_len
 from workers.sampling import SamplingParams
@@ -100,25 +99,13 @@ def test_eviction_keeps_the_held_tokens_within_a_budget() -> None:
 
 def test_prefix_caching_is_on_by_default_only_where_reuse_is_exact(tiny_engine: SpecEngine) -> None:
     assert BatchEngine(tiny_engine).prefix is None  # float32: rows differ in the last bits by chunking
-    scheduler = tiny_engine.config.scheduler.model_copy(update={"enable_prefix_caching": True})
-    forced = SpecEngine(tiny_engine.target, tiny_engine.drafters,
-                        tiny_engine.config.model_copy(update={"scheduler": scheduler}))
-    assert BatchEngine(forced).prefix is not None
+    assert BatchEngine(tiny_engine.with_scheduler(enable_prefix_caching=True)).prefix is not None
 
 
 # -- the shipped target -------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["int4", "bfloat16"])
-def engine(request: pytest.FixtureRequest) -> SpecEngine:
-    """The shipped target on its int4 weights (prompt rows on a dense bfloat16 copy where the CPU
-    has bfloat16 instructions) or on bfloat16 ones (prompt rows as scored rows), with prompt
-    lookup and the shipped EAGLE drafter (which reads the target's hidden states at every position)."""
-    if request.param == "bfloat16" and not bfloat16_fast(torch.device("cpu")):
-        pytest.skip("bfloat16 weights need a CPU with bfloat16 instructions")
-    return SpecEngine.from_config(EngineConfig(
-        target=TargetConfig(weights=request.param, max_model_len=1024),
-        drafters=[NgramDrafterConfig(), EagleDrafterConfig(path="models/eagle", draft_len=2)],
-        scheduler={"max_num_seqs": 3, "max_num_batched_tokens": 64},
-    ))
+@pytest.fixture(scope="module")
+def engine(row_invariant_engine: SpecEngine) -> SpecEngine:
+    return row_invariant_engine.with_scheduler(max_num_seqs=3, max_num_batched_tokens=64)
 
 
 def _chat(engine: SpecEngine, *turns: str) -> list[int]:

@@ -10,20 +10,13 @@ import pytest
 import torch
 
 from workers.batch import BatchEngine
-from workers.config import PLAIN, EagleDrafterConfig, EngineConfig, NgramDrafterConfig, TargetConfig
+from workers.config import PLAIN
 from workers.engine import Generation, SpecEngine, StepOrder
-from workers.models.bf16 import bfloat16_fast
 from workers.result import RequestError
 from workers.sampling import SamplingParams
 
 QUESTIONS = ["Which planet is largest?", "How far is the Moon?", "What is a comet made of?"]
 ORDERS = [StepOrder("ngram", 4), StepOrder("eagle", 2), StepOrder(PLAIN, 0)]  # the preempted request drafts with EAGLE
-
-
-def _scheduled(engine: SpecEngine, **scheduler: object) -> SpecEngine:
-    """`engine` (its models shared) with these scheduler settings."""
-    config = engine.config.scheduler.model_copy(update=scheduler)
-    return SpecEngine(engine.target, engine.drafters, engine.config.model_copy(update={"scheduler": config}))
 
 
 def test_first_come_first_served_refuses_a_priority_naming_the_field(tiny_engine: SpecEngine) -> None:
@@ -35,7 +28,7 @@ def test_first_come_first_served_refuses_a_priority_naming_the_field(tiny_engine
 
 
 def test_the_waiting_queue_is_ordered_by_priority_then_arrival(tiny_engine: SpecEngine) -> None:
-    batch = BatchEngine(_scheduled(tiny_engine, policy="priority", max_num_seqs=1))
+    batch = BatchEngine(tiny_engine.with_scheduler(policy="priority", max_num_seqs=1))
     params = SamplingParams(max_tokens=2)
     a, b, c, d = (batch.add([1, 2, 3], params, priority=p) for p in (0, 5, -1, 5))
     assert list(batch.waiting) == [c, a, b, d]
@@ -46,7 +39,7 @@ def test_the_waiting_queue_is_ordered_by_priority_then_arrival(tiny_engine: Spec
 
 
 def test_prompt_chunks_serve_the_higher_priority_first(tiny_engine: SpecEngine) -> None:
-    batch = BatchEngine(_scheduled(tiny_engine, policy="priority", max_num_batched_tokens=8))
+    batch = BatchEngine(tiny_engine.with_scheduler(policy="priority", max_num_batched_tokens=8))
     params = SamplingParams(max_tokens=2)
     low = batch.add(list(range(1, 30)), params, priority=1)
     batch.schedule()
@@ -57,18 +50,10 @@ def test_prompt_chunks_serve_the_higher_priority_first(tiny_engine: SpecEngine) 
 
 
 # -- the shipped target -------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["int4", "bfloat16"])
-def engine(request: pytest.FixtureRequest) -> SpecEngine:
-    """The shipped target on int4 weights (prompt rows on a dense bfloat16 copy where the CPU has
-    bfloat16 instructions: a resumed output is prefilled as scored rows) or bfloat16 ones, with
-    prompt lookup and EAGLE (which reads the target's hidden states), two KV slots."""
-    if request.param == "bfloat16" and not bfloat16_fast(torch.device("cpu")):
-        pytest.skip("bfloat16 weights need a CPU with bfloat16 instructions")
-    return SpecEngine.from_config(EngineConfig(
-        target=TargetConfig(weights=request.param, max_model_len=512),
-        drafters=[NgramDrafterConfig(), EagleDrafterConfig(path="models/eagle", draft_len=2)],
-        scheduler={"max_num_seqs": 2, "max_num_batched_tokens": 64, "policy": "priority"},
-    ))
+@pytest.fixture(scope="module")
+def engine(row_invariant_engine: SpecEngine) -> SpecEngine:
+    """Two KV slots, so a third request finds no room."""
+    return row_invariant_engine.with_scheduler(max_num_seqs=2, max_num_batched_tokens=64, policy="priority")
 
 
 def _step_all(batch: BatchEngine, gens: list[Generation]) -> None:
@@ -81,7 +66,7 @@ def test_a_preempted_request_resumes_with_the_tokens_and_logprobs_it_has_alone(e
                                                                                 caching: bool) -> None:
     params = SamplingParams(max_tokens=16, logprobs=2)
     prompts = [engine.encode(q) for q in QUESTIONS]
-    batch = BatchEngine(_scheduled(engine, enable_prefix_caching=caching))
+    batch = BatchEngine(engine.with_scheduler(enable_prefix_caching=caching))
     assert (batch.prefix is not None) == caching
     low = [batch.add(p, params, priority=1) for p in prompts[:2]]
     gens = [*low]

@@ -563,6 +563,12 @@ class SpecEngine:
                                   config.target.max_model_len)
         return cls(target, drafters, config)
 
+    def with_scheduler(self, **settings: Any) -> SpecEngine:
+        """This engine, its target and drafters shared, with these `SchedulerConfig` settings (no
+        more `max_num_seqs` than the drafters were built for)."""
+        scheduler = self.config.scheduler.model_copy(update=settings)
+        return SpecEngine(self.target, self.drafters, self.config.model_copy(update={"scheduler": scheduler}))
+
     @property
     def tokenizer(self) -> Any:
         return self.target.tokenizer
