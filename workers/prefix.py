@@ -130,7 +130,7 @@ class PrefixCache:
         return cache
 
     def release(self, cache: PooledKVCache, token_ids: Sequence[int], features: torch.Tensor | None) -> None:
-        """Free a finished request's slot, keeping what it holds of `token_ids` (and `features`)."""
+        """Free a request's slot, keeping what it holds of `token_ids` (and `features`)."""
         keep = min(cache.length, len(token_ids))
         slot = cache.slot
         self.pool.release(cache, keep)
