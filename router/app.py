@@ -67,6 +67,8 @@ from router.schemas import (
     CompletionResponse,
     CompletionTokensDetails,
     ContextSpanInfo,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorBody,
     ErrorResponse,
     FunctionCall,
@@ -75,6 +77,8 @@ from router.schemas import (
     ModelList,
     PromptTokensDetails,
     SpeculationInfo,
+    TokenizeRequest,
+    TokenizeResponse,
     ToolCall,
     ToolCallDelta,
     Usage,
@@ -82,7 +86,7 @@ from router.schemas import (
 from router.stats_view import stats_json
 from router.tools import Call
 from workers.config import PLAIN, EngineConfig, ModelDrafterConfig, RoutingConfig
-from workers.deployment import Chunk, DrafterWorker, GenerateRequest, TargetWorker
+from workers.deployment import Chunk, DrafterWorker, GenerateRequest, TargetWorker, Tokens
 from workers.result import GenerationResult, RequestError, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -413,6 +417,25 @@ class OpenAIIngress:
         card = ModelCard(id=self.model_name, created=self.created, max_model_len=await self._max_model_len())
         return ModelList(data=[card])
 
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """A prompt's tokens as /v1/completions or /v1/chat/completions would feed them (vLLM's)."""
+        self._check_model(body.model)
+        prompt = body.prompt if body.messages is None else [m.as_template_message() for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        request = GenerateRequest(prompt=prompt, tools=tools, generation_prompt=body.add_generation_prompt,
+                                  continue_final_message=body.continue_final_message)
+        tokens = await self._on_worker(self.worker.tokenize.remote(request, body.add_special_tokens is not False,
+                                                                   body.return_token_strs))
+        return TokenizeResponse(count=len(tokens.token_ids), max_model_len=await self._max_model_len(),
+                                tokens=tokens.token_ids, token_strs=tokens.token_strs)
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(body.model)
+        tokens = await self._on_worker(self.worker.detokenize.remote(body.tokens))
+        return DetokenizeResponse(prompt=tokens.text or "")
+
     @app.post("/v1/completions", response_model=None)
     async def completions(self, body: CompletionRequest) -> CompletionResponse | StreamingResponse:
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -562,12 +585,15 @@ class OpenAIIngress:
                 raise APIError(503, f"no worker replica answered max_model_len: {e!r}", type="internal_error") from None
         return self._context_limit
 
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                                f"'{self.model_name}'", "model", "model_not_found")
+
     async def _requests(self, body: GenerationRequestBase, prompts: Sequence[Prompt]) -> list[GenerateRequest]:
         """One request per choice, `n` per prompt, prompt by prompt; a seed gives each prompt's choice i
         seed + i, so choices differ yet repeat."""
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
-                                f"'{self.model_name}'", "model", "model_not_found")
+        self._check_model(body.model)
         max_len = await self._max_model_len()
         if body.num_max_tokens is not None and body.num_max_tokens >= max_len:
             field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
@@ -576,8 +602,13 @@ class OpenAIIngress:
         spec = body.speculation
         request = GenerateRequest(
             prompt="", max_tokens=body.num_max_tokens, temperature=body.temperature,
-            top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed, stop=tuple(body.stop),
-            ignore_eos=body.ignore_eos, drafter=spec.drafter, draft_len=spec.draft_len, domain=spec.domain,
+            top_p=body.top_p, top_k=max(body.top_k, 0), min_p=body.min_p, seed=body.seed, stop=tuple(body.stop),
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+            allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
+            bad_words=tuple(body.bad_words or ()), skip_special_tokens=body.skip_special_tokens,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
+            drafter=spec.drafter, draft_len=spec.draft_len, domain=spec.domain,
             logprobs=body.num_logprobs, logit_bias=body.token_bias, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
             prediction=body.prediction.text if body.prediction is not None else None, echo=body.echoes,
@@ -598,6 +629,16 @@ class OpenAIIngress:
             for task in tasks:  # one choice failed: the others are not waited for
                 task.cancel()
             raise
+
+    @staticmethod
+    async def _on_worker(call: Any) -> Tokens:
+        try:
+            tokens: Tokens = await call
+        except Exception as e:
+            raise _as_api_error(e) from None
+        if tokens.error is not None:
+            raise _as_api_error(tokens.error)
+        return tokens
 
     async def _generate_one(self, request: GenerateRequest) -> Chunk:
         try:

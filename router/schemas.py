@@ -1,10 +1,13 @@
 """OpenAI-compatible request and response models for /v1/completions and /v1/chat/completions,
 plus SpecRoute's extensions: `speculation` (request: the plan asked for; response: what ran and
-how well it was accepted), `top_k` and `ignore_eos` (as in vLLM).
+how well it was accepted), and vLLM's sampling extensions: `top_k`, `min_p`, `ignore_eos`,
+`min_tokens`, `stop_token_ids`, `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`,
+`skip_special_tokens` and `truncate_prompt_tokens`.
 
 `logprobs` report the target's raw distribution (before penalties, temperature, top-k and top-p;
 vLLM's default), read off the rows that verified each token (workers/logprobs.py). Penalties and
-`logit_bias` apply to every verified row with its own history (workers/penalties.py). A
+`logit_bias` apply to every verified row with its own history (workers/penalties.py), and so do
+the bans of `allowed_token_ids`, `min_tokens` and `bad_words` (workers/bans.py). A
 `prediction` (OpenAI's Predicted Outputs) is drafted from, never emitted as is
 (workers/drafters/prediction.py); `usage.completion_tokens_details` counts its tokens. A
 completion's `echo` repeats the prompt ahead of it, with `logprobs` the prompt tokens' too (read
@@ -27,12 +30,13 @@ answered without them. A field OpenAI does not define is refused: a typo must no
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
 from router.tools import NO_PARAMETERS, ToolChoice
 from workers.config import (
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_PENALTY,
@@ -188,8 +192,24 @@ class GenerationRequestBase(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2, description="0 = greedy; OpenAI's default is 1")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, description="extension: 0 or -1 = whole vocabulary")
+    min_p: float = Field(0.0, ge=0, le=1, description="extension, as in vLLM: drop tokens less likely than min_p "
+                                                    "times the likeliest (0: none)")
     seed: int | None = None
     stop: list[str] = Field(default_factory=list, description="a string or a list of strings")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="extension, as in vLLM: token ids that end the output as end-of-sequence does")
+    include_stop_str_in_output: bool = Field(False, description="extension, as in vLLM: keep the stop string found")
+    min_tokens: int = Field(0, ge=0, description="extension, as in vLLM: no stop token or string before this many "
+                                                 "output tokens")
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, description="extension, as in vLLM: the only token ids the output may take")
+    bad_words: list[str] | None = Field(
+        None, max_length=MAX_BAD_WORDS, description="extension, as in vLLM: words the output never contains "
+                                                    "(their last token is banned after the others)")
+    skip_special_tokens: bool = Field(True, description="extension, as in vLLM: leave special tokens out of the text")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="extension, as in vLLM: keep the prompt's last so many tokens (-1: as many as "
+                                 "the model's context holds)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices to generate, each its own request in the batch")
@@ -273,6 +293,20 @@ class GenerationRequestBase(BaseModel):
                 raise ValueError(f"keys are token ids, got {token!r}")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"biases lie in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias} for {token}")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not all(word.strip() for word in value):
+            raise ValueError("a bad word is empty")
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_prompt_tokens(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("keeps at least one token (-1: as many as the context holds)")
         return value
 
     @field_validator("speculation", mode="before")
@@ -545,6 +579,54 @@ class ChatCompletionRequest(GenerationRequestBase):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a raw prompt, or chat messages as /v1/chat/completions renders them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, validate_default=True)
+    add_special_tokens: bool | None = Field(
+        None, description="a raw prompt: the tokenizer's special tokens, as /v1/completions adds them (default "
+                          "true); messages: false only, the chat template writes them")
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Tool] | None = None
+    return_token_strs: bool = Field(False, description="each token as the vocabulary spells it")
+
+    @field_validator("messages")
+    @classmethod
+    def _one_prompt(cls, value: list[ChatMessage] | None, info: ValidationInfo) -> list[ChatMessage] | None:
+        if (value is None) == (info.data.get("prompt") is None):
+            raise ValueError("give a prompt or messages, one of them")
+        return value
+
+    @field_validator("add_special_tokens")
+    @classmethod
+    def _special_tokens(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value and info.data.get("messages") is not None:
+            raise ValueError("the chat template writes the special tokens: true only with a prompt")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_final_message(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("continues the last message, so the template must not open another: "
+                             "send add_generation_prompt: false")
+        return value
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 # -- responses -------------------------------------------------------------------------------
 class CompletionTokensDetails(BaseModel):
     """Where a request predicted its output: predicted tokens drafted and accepted as output, and
@@ -745,6 +827,17 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorBody(BaseModel):

@@ -1,4 +1,4 @@
-"""SamplingParams validation, probs_from_logits (temperature, top-k, top-p) and sample_ids."""
+"""SamplingParams validation, probs_from_logits (temperature, min-p, top-k, top-p) and sample_ids."""
 
 from __future__ import annotations
 
@@ -137,6 +137,23 @@ def test_top_k_then_top_p_support_is_within_top_k() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 2.0])
+def test_min_p_drops_tokens_below_min_p_times_the_likeliest(temperature: float) -> None:
+    """vLLM's rule on the distribution after temperature; min-p comes before top-k and top-p."""
+    logits = log_probs(0.5, 0.3, 0.12, 0.08)
+    scaled = torch.softmax(logits / temperature, dim=-1)
+    got = probs_from_logits(logits, params(temperature=temperature, min_p=0.45))
+    kept = scaled >= 0.45 * scaled.max()
+    assert 1 < int(kept.sum()) < 4
+    torch.testing.assert_close(got, torch.where(kept, scaled, 0) / scaled[kept].sum())
+    everything = probs_from_logits(logits, params(temperature=temperature, min_p=0.0))
+    torch.testing.assert_close(everything, scaled)
+    assert probs_from_logits(logits, params(min_p=1.0))[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+    # top-p then cuts what min-p left, renormalised: 0.5 / (0.5 + 0.3) >= 0.6 (without min-p 0.5 < 0.6)
+    assert (probs_from_logits(logits, params(top_p=0.6)) > 0).sum() == 2
+    assert (probs_from_logits(logits, params(min_p=0.3, top_p=0.6)) > 0).sum() == 1
+
+
 # SamplingParams
 
 
@@ -150,6 +167,10 @@ def test_top_k_then_top_p_support_is_within_top_k() -> None:
         ({"top_p": -0.5}, "top_p"),
         ({"top_p": 1.01}, "top_p"),
         ({"top_k": -1}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 129}, "min_tokens"),
     ],
 )
 def test_sampling_params_rejects_bad_values_naming_the_field(kwargs: dict, field: str) -> None:
@@ -157,6 +178,13 @@ def test_sampling_params_rejects_bad_values_naming_the_field(kwargs: dict, field
         SamplingParams(**kwargs)
     value = next(iter(kwargs.values()))
     assert str(value) in str(info.value)
+
+
+def test_sampling_params_refuses_empty_token_lists() -> None:
+    with pytest.raises(ValueError, match="^allowed_token_ids "):
+        SamplingParams(allowed_token_ids=frozenset())
+    with pytest.raises(ValueError, match="^bad_words "):
+        SamplingParams(bad_words=((),))
 
 
 def test_sampling_params_accepts_boundary_values() -> None:

@@ -248,6 +248,85 @@ def test_logit_bias_and_penalties(base_url: str, tiny_llama_dir: Path) -> None:
     assert texts[0] == texts[1]
 
 
+def test_vllm_sampling_extensions(base_url: str, tiny_llama_dir: Path) -> None:
+    """A bias of 100 makes " dog" every token unless something bans it; each setting then shows
+    plainly, drafted or not, streamed or not."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    (dog,), (cat,) = tokenizer.encode(" dog"), tokenizer.encode(" cat")
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(dog): 100}}
+
+    def complete(**extra) -> dict:
+        outs = [requests.post(f"{base_url}/v1/completions", timeout=60,
+                              json={**body, **extra, "speculation": {"drafter": drafter}}).json()
+                for drafter in ("none", "self")]
+        assert outs[0]["choices"] == outs[1]["choices"], outs
+        return outs[0]
+
+    stopped = complete(stop_token_ids=[dog])
+    assert stopped["choices"][0]["text"] == " dog" and stopped["usage"]["completion_tokens"] == 1
+    waited = complete(stop_token_ids=[dog], min_tokens=3)  # no stop token before 3 tokens
+    assert waited["choices"][0]["text"].endswith(" dog") and waited["usage"]["completion_tokens"] == 4
+    assert " dog" not in waited["choices"][0]["text"][: -len(" dog")]
+    assert waited["choices"][0]["finish_reason"] == "stop"
+    assert complete(stop=[" dog"])["choices"][0]["text"] == ""
+    assert complete(stop=[" dog"], include_stop_str_in_output=True)["choices"][0]["text"] == " dog"
+    kept = complete(stop=[" dog"], include_stop_str_in_output=True, min_tokens=2)
+    assert kept["choices"][0]["text"] == " dog" * 3  # the string must end past the first 2 tokens
+    with requests.post(f"{base_url}/v1/completions", stream=True, timeout=60,
+                       json={**body, "stop": [" dog"], "include_stop_str_in_output": True, "min_tokens": 2,
+                             "stream": True}) as r:
+        assert "".join(e["choices"][0]["text"] for e in _sse(r) if e != "[DONE]") == " dog" * 3
+    assert "dog" not in complete(bad_words=["dog"])["choices"][0]["text"]
+    assert complete(allowed_token_ids=[cat])["choices"][0]["text"] == " cat" * 6
+    eos = tokenizer.eos_token_id
+    special = {"logit_bias": {str(eos): 100}, "max_tokens": 2}
+    assert complete(**special)["choices"][0]["text"] == ""
+    assert complete(**special, skip_special_tokens=False)["choices"][0]["text"] == tokenizer.eos_token * 2
+    long_prompt = {"prompt": "one two three four five six seven eight nine ten"}
+    assert complete(**long_prompt, truncate_prompt_tokens=4)["usage"]["prompt_tokens"] == 4
+    # min-p 1 keeps only the likeliest token: sampling at any temperature decodes greedily
+    unbiased = {"logit_bias": None, "max_tokens": 16}
+    assert complete(**unbiased, temperature=1.5, seed=3, min_p=1.0)["choices"] == complete(**unbiased)["choices"]
+
+
+def test_tokenize_and_detokenize(base_url: str, client) -> None:
+    """The tokens /tokenize returns are the ones generation counts as the prompt."""
+    prompt = "Once upon a time"
+    tokens = requests.post(f"{base_url}/tokenize", json={"model": MODEL, "prompt": prompt,
+                                                         "return_token_strs": True}, timeout=60).json()
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    assert tokens["count"] == len(tokens["tokens"]) == completion.usage.prompt_tokens == len(tokens["token_strs"])
+    models = requests.get(f"{base_url}/v1/models", timeout=30).json()
+    assert tokens["max_model_len"] == models["data"][0]["max_model_len"]
+    text = requests.post(f"{base_url}/detokenize", json={"tokens": tokens["tokens"]}, timeout=60).json()
+    assert text["prompt"].endswith(prompt)
+    bare = requests.post(f"{base_url}/tokenize", json={"prompt": prompt, "add_special_tokens": False},
+                         timeout=60).json()
+    assert requests.post(f"{base_url}/detokenize", json={"tokens": bare["tokens"]}, timeout=60).json() == {
+        "prompt": prompt}
+    messages = [{"role": "user", "content": "Count: one two three"}]
+    chat = requests.post(f"{base_url}/tokenize", json={"messages": messages}, timeout=60).json()
+    assert chat["token_strs"] is None
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    assert chat["count"] == answer.usage.prompt_tokens > tokens["count"]
+    opened = requests.post(f"{base_url}/tokenize", json={"messages": messages, "add_generation_prompt": False},
+                           timeout=60).json()
+    assert opened["tokens"] == chat["tokens"][: opened["count"]] and opened["count"] < chat["count"]
+    for path, bad, param in [("tokenize", {"prompt": prompt, "messages": messages}, "messages"),
+                             ("tokenize", {}, "messages"),
+                             ("tokenize", {"messages": messages, "add_special_tokens": True}, "add_special_tokens"),
+                             ("tokenize", {"prompt": prompt, "extra": 1}, "extra"),
+                             ("detokenize", {"tokens": [10**9]}, "tokens"),
+                             ("detokenize", {"tokens": [-1]}, "tokens[0]")]:
+        r = requests.post(f"{base_url}/{path}", json=bad, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+    r = requests.post(f"{base_url}/tokenize", json={"model": "nope", "prompt": prompt}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
 def test_n_choices_streamed_and_not(client) -> None:
     """Choice i draws from seed + i: each equals a single request with that seed, streamed alike.
     Four tokens share the mass (a bias), so a float32 row's last bits, which differ between a
@@ -593,7 +672,14 @@ LONG_PROMPT = "lorem ipsum " * 600  # > 1024 tokens, the tiny config's max_model
     ("chat", {"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is true
     ("chat", {"tools": [WEATHER], "echo": True}, "echo"),
     ("completions", {"prompt": "hi", "prediction": {"type": "content", "content": "lorem ipsum " * 600}},
-     "prediction"),
+     "prediction"),    ("completions", {"prompt": "hi", "min_p": 2}, "min_p"),
+    ("completions", {"prompt": "hi", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ("completions", {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("completions", {"prompt": "hi", "allowed_token_ids": [10**9]}, "allowed_token_ids"),
+    ("chat", {"stop_token_ids": [10**9]}, "stop_token_ids"),
+    ("chat", {"bad_words": ["  "]}, "bad_words"),
+    ("chat", {"bad_words": ["x"], "response_format": {"type": "json_object"}}, "bad_words"),
+    ("chat", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ])
 def test_bad_request_is_400_naming_the_field(base_url: str, path: str, body: dict, param: str) -> None:
     default = {"messages": [{"role": "user", "content": "hi"}]} if path == "chat" else {}

@@ -28,6 +28,7 @@ MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's r
 MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
 # repetition_penalty lies in [1 / MAX, MAX]: beyond, a penalised float32 logit can overflow
 MAX_REPETITION_PENALTY = 100.0
+MAX_BAD_WORDS = 64  # bad_words a request may list (each banned by its last token, workers/bans.py)
 
 
 

@@ -52,9 +52,17 @@ class GenerateRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()  # words: tokenized here, banned by their last token (workers/bans.py)
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last so many tokens (-1: max_model_len)
     drafter: str = "auto"  # "auto" (the routing policy decides), PLAIN, or a configured drafter name
     draft_len: int | None = None  # None: the policy chooses k
     domain: str | None = None  # None: the policy's classifier decides
@@ -85,6 +93,17 @@ class GenerateRequest:
             return self.prompt
         users = [m.get("content") or "" for m in self.prompt if m.get("role") == "user"]
         return users[-1] if users else ""
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A prompt's tokens (/tokenize) or the text of tokens (/detokenize); a refused request
+    carries its RequestError instead."""
+
+    token_ids: list[int]
+    token_strs: list[str] | None = None  # each token as the vocabulary spells it, when asked
+    text: str | None = None  # the tokens decoded (/detokenize)
+    error: RequestError | None = None
 
 
 @dataclass(frozen=True)
@@ -220,6 +239,16 @@ class TargetWorker:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    async def tokenize(self, request: GenerateRequest, add_special_tokens: bool = True,
+                       with_strings: bool = False) -> Tokens:
+        """The request's prompt as the engine tokenizes it (vLLM's /tokenize). On the engine
+        thread, like every other use of the tokenizer here (a fast tokenizer is not safe to share)."""
+        return await self._on_engine(self._tokenize, request, add_special_tokens, with_strings)
+
+    async def detokenize(self, token_ids: list[int]) -> Tokens:
+        """The text of token ids (vLLM's /detokenize)."""
+        return await self._on_engine(self._detokenize, token_ids)
+
     def status(self) -> dict[str, int]:
         return {
             "num_pending": len(self._pending) + self.batch.num_waiting, "num_active": self.batch.num_running,
@@ -351,6 +380,33 @@ class TargetWorker:
                 slot.queue.put_nowait(item)
 
     # -- on the engine thread -----------------------------------------------------------------
+    def _encode(self, r: GenerateRequest, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids: a raw text's (with the tokenizer's special tokens unless told
+        otherwise) or the chat's through the chat template."""
+        try:
+            if isinstance(r.prompt, str) and not add_special_tokens:
+                return self.engine.encode_text(r.prompt)
+            return self.engine.encode(r.prompt, chat=isinstance(r.prompt, list), tools=r.tools,
+                                      generation_prompt=r.generation_prompt,
+                                      continue_final_message=r.continue_final_message)
+        except Exception as e:  # e.g. a chat template that refuses the roles given
+            raise RequestError(f"cannot tokenize the prompt: {e}", r.prompt_param) from None
+
+    def _tokenize(self, r: GenerateRequest, add_special_tokens: bool, with_strings: bool) -> Tokens:
+        try:
+            ids = self._encode(r, add_special_tokens)
+        except RequestError as e:
+            return Tokens([], error=e)
+        strings = self.engine.tokenizer.convert_ids_to_tokens(ids) if with_strings else None
+        return Tokens(ids, token_strs=strings)
+
+    def _detokenize(self, token_ids: list[int]) -> Tokens:
+        try:
+            self.engine.check_token_ids(token_ids, "tokens")
+        except RequestError as e:
+            return Tokens([], error=e)
+        return Tokens(token_ids, text=self.engine.tokenizer.decode(token_ids))
+
     def _admit(self, slot: _Slot) -> None:
         r, engine = slot.request, self.engine
         text = r.text
@@ -359,23 +415,28 @@ class TargetWorker:
             engine.check_token_ids(prompt_ids, "prompt")
             text = slot.prompt_text = engine.tokenizer.decode(prompt_ids)
         else:
-            try:
-                prompt_ids = engine.encode(r.prompt, chat=isinstance(r.prompt, list), tools=r.tools,
-                                           generation_prompt=r.generation_prompt,
-                                           continue_final_message=r.continue_final_message)
-            except Exception as e:  # e.g. a chat template that refuses the roles given
-                raise RequestError(f"cannot tokenize the prompt: {e}", r.prompt_param) from None
+            prompt_ids = self._encode(r)
             slot.prompt_text = r.prompt if isinstance(r.prompt, str) else ""
+        if r.truncate_prompt_tokens is not None:
+            keep = engine.max_model_len if r.truncate_prompt_tokens == -1 else r.truncate_prompt_tokens
+            if len(prompt_ids) > keep:
+                prompt_ids = prompt_ids[-keep:]
+                slot.prompt_text = text = engine.tokenizer.decode(prompt_ids)
         try:
             prediction = tuple(engine.encode_text(r.prediction)) if r.prediction else ()
         except Exception as e:
             raise RequestError(f"cannot tokenize the prediction: {e}", "prediction") from None
+        bad_words = tuple(dict.fromkeys(ids for word in r.bad_words for ids in _bad_word_ids(engine, word) if ids))
         try:
             defaulted = {"max_tokens": r.max_tokens, "presence_penalty": r.presence_penalty,
                          "frequency_penalty": r.frequency_penalty, "repetition_penalty": r.repetition_penalty}
             params = self._sampling_mod.SamplingParams(
-                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed, stop=r.stop,
-                ignore_eos=r.ignore_eos, logprobs=r.logprobs, logit_bias=r.logit_bias, prediction=prediction,
+                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
+                include_stop_str_in_output=r.include_stop_str_in_output,
+                extra_stop_token_ids=frozenset(r.stop_token_ids), ignore_eos=r.ignore_eos, min_tokens=r.min_tokens,
+                allowed_token_ids=None if r.allowed_token_ids is None else frozenset(r.allowed_token_ids),
+                bad_words=bad_words, skip_special_tokens=r.skip_special_tokens,
+                logprobs=r.logprobs, logit_bias=r.logit_bias, prediction=prediction,
                 prompt_logprobs=r.logprobs if r.echo else None, output_format=r.output_format,
                 **{name: value for name, value in defaulted.items() if value is not None},
             )
@@ -422,7 +483,7 @@ class TargetWorker:
             if logprobs is not None:
                 logprobs = [*(gen.prompt_logprobs or []), *logprobs]
         if not gen.finished:
-            text = self.engine.tokenizer.decode(output_ids, skip_special_tokens=True)
+            text = self.engine.tokenizer.decode(output_ids, skip_special_tokens=gen.params.skip_special_tokens)
             delta = _safe_delta(text, slot.sent_text, gen.params.stop)
             slot.sent_text += delta
             return Chunk(new_ids, head + delta, logprobs=logprobs)
@@ -509,6 +570,12 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # outside a Serve replica (tests that build the class directly)
         return ""
+
+
+def _bad_word_ids(engine: SpecEngine, word: str) -> list[tuple[int, ...]]:
+    """A bad word's token sequences, as vLLM bans it: at the start of a text and after a space."""
+    word = word.lstrip()
+    return [tuple(engine.encode_text(word)), tuple(engine.encode_text(" " + word))]
 
 
 def _safe_delta(text: str, sent: str, stop: tuple[str, ...]) -> str:

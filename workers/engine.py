@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
+from workers.bans import Bans, ban
 from workers.chat import with_tools_described
 from workers.config import PLAIN, EngineConfig
 from workers.drafters.base import (
@@ -107,11 +108,12 @@ class Generation:
         self.model = engine.target.model
         self.device = self.model.device
         max_len = len(prompt_ids) + params.max_tokens
-        self.stop_ids = set() if params.ignore_eos else set(self.model.info.eos_token_ids)
-        self.stop_ids |= params.extra_stop_token_ids
+        self.stop_ids = engine.stop_token_ids(params)
         # the request's place in the grammar its output must match (workers/structured.py)
         fmt = params.output_format
         self.guide = None if fmt is None else engine.grammars.guide(fmt, self.stop_ids)
+        self._bans = Bans.of(params, self.stop_ids, self.model.info.vocab_size, self.device) if params.bans else None
+        self._stop_search_from: int | None = None  # where stop strings may start to count (min_tokens)
         # a guided step masks a chain's rows, so its drafters draft chains, as for a row-invariant target
         self.ctx = DraftContext(list(prompt_ids), params, make_generator(params.seed, self.device), max_len,
                                 num_prompt=len(prompt_ids), domain=domain,
@@ -461,8 +463,13 @@ class Generation:
     def _verify(
         self, logits: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, tree: DraftTree | None,
     ) -> VerifyResult:
-        if self.params.penalized:
-            logits = self._penalized(logits, draft_ids, tree)
+        if self.params.penalized or self._bans is not None:
+            # row r's history: the output and the draft tokens on its path
+            sees = (tree or DraftTree.chain(draft_ids.shape[0])).input_mask(logits.device)[:, 1:]
+            if self.params.penalized:
+                logits = self._penalized(logits, draft_ids, sees)
+            if self._bans is not None:
+                logits = ban(logits, self._bans, self.output_ids, draft_ids, sees)
         if self.guide is not None:  # a chain (`_guided`): row r masked after the first r draft tokens
             allowed = torch.from_numpy(self.guide.masks(draft_ids.tolist())).to(logits.device)
             logits = logits.float().masked_fill(~allowed, float("-inf"))
@@ -476,9 +483,8 @@ class Generation:
             return verify_tree_sampled(probs, draft_ids, tree, self.ctx.generator, exact)
         return verify_sampled(probs, draft_ids, draft_probs, self.ctx.generator)
 
-    def _penalized(self, logits: torch.Tensor, draft_ids: torch.Tensor, tree: DraftTree | None) -> torch.Tensor:
+    def _penalized(self, logits: torch.Tensor, draft_ids: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
         """The step's rows biased and penalised, each by the history on its own path."""
-        sees = (tree or DraftTree.chain(draft_ids.shape[0])).input_mask(logits.device)[:, 1:]
         if self.params.repetition_penalty != 1.0 and self._prompt_tokens is None:
             self._prompt_tokens = torch.tensor(sorted(set(self.ctx.token_ids[: self.num_prompt])), device=logits.device)
         return penalize(logits, self.params, self.output_ids, draft_ids, sees, self._prompt_tokens)
@@ -502,13 +508,25 @@ class Generation:
         return len(token_ids)
 
     def _text_before_stop(self) -> str | None:
-        """The output text cut before the first stop string, or None when none occurs yet."""
-        text = self._decode()
-        hits = [i for s in self.params.stop if (i := text.find(s)) >= 0]
-        return text[: min(hits)] if hits else None
+        """The output text cut at the first stop string (before it, or after it where the request
+        keeps it), or None when none occurs yet. As in vLLM, stop strings count once the output
+        is longer than min_tokens, and only those that end past its first min_tokens tokens."""
+        params = self.params
+        if len(self.output_ids) <= params.min_tokens:
+            return None
+        if self._stop_search_from is None:
+            self._stop_search_from = len(self._decode(self.output_ids[: params.min_tokens])) if params.min_tokens else 0
+        text, start = self._decode(), self._stop_search_from
+        hits = [(i, len(s)) for s in params.stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
+        if not hits:
+            return None
+        i, n = min(hits)
+        return text[: i + n] if params.include_stop_str_in_output else text[:i]
 
-    def _decode(self) -> str:
-        return self.engine.target.tokenizer.decode(self.output_ids, skip_special_tokens=True)
+    def _decode(self, token_ids: list[int] | None = None) -> str:
+        """The output's text (or token_ids'), special tokens left out unless the request keeps them."""
+        return self.engine.target.tokenizer.decode(self.output_ids if token_ids is None else token_ids,
+                                                   skip_special_tokens=self.params.skip_special_tokens)
 
     def _record(self, stats: StepStats) -> None:
         if not self.steps:
@@ -621,6 +639,11 @@ class SpecEngine:
             bad = next(t for t in ids if not 0 <= t < vocab_size)
             raise RequestError(f"{param}: token id {bad} is not in the vocabulary of {vocab_size} tokens", param)
 
+    def stop_token_ids(self, params: SamplingParams) -> set[int]:
+        """The tokens that end a request's output: end of sequence (unless ignored) and its own."""
+        ids = set() if params.ignore_eos else set(self.target.model.info.eos_token_ids)
+        return ids | params.extra_stop_token_ids
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams, drafter: str = PLAIN) -> None:
         if not prompt_ids:
             raise RequestError("prompt is empty", "prompt")
@@ -628,6 +651,22 @@ class SpecEngine:
             known = ", ".join([PLAIN, *self.drafters]) or PLAIN
             raise RequestError(f"unknown drafter {drafter!r}; configured: {known}", "drafter")
         self.check_token_ids(list(params.logit_bias), "logit_bias")
+        self.check_token_ids(sorted(params.extra_stop_token_ids), "stop_token_ids")
+        self.check_token_ids([t for word in params.bad_words for t in word], "bad_words")
+        if params.allowed_token_ids is not None:
+            self.check_token_ids(sorted(params.allowed_token_ids), "allowed_token_ids")
+            # a token no bad word ends and no min_tokens holds back: no row is left without a token
+            takeable = params.allowed_token_ids - {word[-1] for word in params.bad_words}
+            if params.min_tokens:
+                takeable -= self.stop_token_ids(params)
+            if not takeable:
+                raise RequestError("allowed_token_ids: every allowed token may be banned (it ends a bad word, or "
+                                   "is a stop token before min_tokens)", "allowed_token_ids")
+        if params.output_format is not None:
+            for name in ("allowed_token_ids", "bad_words"):
+                if getattr(params, name):
+                    raise RequestError(f"{name} cannot be combined with a response format or tool calls: the "
+                                       "grammar may need a token it bans", name)
         self.check_token_ids(prompt_ids, "prompt")
         if params.prediction:
             if len(params.prediction) > self.max_model_len:

@@ -1,12 +1,13 @@
 """Sampling parameters and the functions that turn logits into tokens or the distribution sampled from.
 
 Plain sampling, the target side of rejection sampling and the drafter's proposals all go through
-`probs_from_logits`, so temperature, top-k and top-p are applied to all three exactly alike;
+`probs_from_logits`, so temperature, min-p, top-k and top-p are applied to all three exactly alike;
 greedy decoding and greedy drafts take `greedy_ids`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from workers.config import (
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_PENALTY,
@@ -32,10 +34,17 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = whole vocabulary
+    min_p: float = 0.0  # vLLM's: tokens less likely than min_p x the likeliest are dropped (0: none)
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # vLLM's: the output text ends with the stop string found
     ignore_eos: bool = False
-    extra_stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    extra_stop_token_ids: frozenset[int] = field(default_factory=frozenset)  # vLLM's stop_token_ids
+    # workers/bans.py: tokens a row may not take, vLLM's names
+    min_tokens: int = 0  # no stop token (nor stop string) before this many output tokens
+    allowed_token_ids: frozenset[int] | None = None  # None: any token
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences: the last is banned after the others
+    skip_special_tokens: bool = True  # the output text leaves special tokens out
     logprobs: int | None = None  # None: none; n: each token's logprob and its position's n likeliest
     prompt_logprobs: int | None = None  # the same for each prompt token (the prefill keeps every row's logits)
     # workers/penalties.py: OpenAI's and vLLM's, applied to every verified row
@@ -57,6 +66,18 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must list at least one token")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words allows at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+        if any(not word for word in self.bad_words):
+            raise ValueError("bad_words holds a word of no tokens")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if len(self.stop) > MAX_STOP_SEQUENCES:
@@ -84,6 +105,11 @@ class SamplingParams:
                     or self.logit_bias)
 
     @property
+    def bans(self) -> bool:
+        """Whether some rows may not take some tokens (workers/bans.py)."""
+        return bool(self.min_tokens or self.allowed_token_ids is not None or self.bad_words)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
@@ -92,8 +118,12 @@ _TOP_P_FIRST_RANKS = 256  # ranks a top-p cut looks at first; 4x more each time 
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[n, vocab] logits -> [n, vocab] float32 probabilities after temperature, top-k, top-p."""
+    """[n, vocab] logits -> [n, vocab] float32 probabilities after temperature, min-p, top-k,
+    top-p, in vLLM's order. min-p compares logits: p < min_p * p_max is l < l_max + log(min_p)."""
     logits = logits.float() / params.temperature
+    if params.min_p > 0:
+        floor = logits.max(dim=-1, keepdim=True).values + math.log(params.min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
