@@ -25,7 +25,7 @@ from workers.sampling import SamplingParams
 class Bans:
     """A request's bans, built once: what `ban` needs beyond the step's tokens."""
 
-    allowed: torch.Tensor | None  # [vocab] bool: the tokens outside are banned (None: none)
+    outside: torch.Tensor | None  # [vocab] bool: the tokens outside allowed_token_ids (None: none)
     min_tokens: int
     stop_ids: torch.Tensor  # [s] long: banned while the output is shorter than min_tokens
     bad_words: tuple[tuple[int, ...], ...]
@@ -33,11 +33,11 @@ class Bans:
     @classmethod
     def of(cls, params: SamplingParams, stop_ids: Collection[int], vocab_size: int,
            device: torch.device | str = "cpu") -> Bans:
-        allowed = None
+        outside = None
         if params.allowed_token_ids is not None:
-            allowed = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            allowed[torch.tensor(sorted(params.allowed_token_ids), dtype=torch.long, device=device)] = True
-        return cls(allowed, params.min_tokens, torch.tensor(sorted(stop_ids), dtype=torch.long, device=device),
+            outside = torch.ones(vocab_size, dtype=torch.bool, device=device)
+            outside[torch.tensor(sorted(params.allowed_token_ids), dtype=torch.long, device=device)] = False
+        return cls(outside, params.min_tokens, torch.tensor(sorted(stop_ids), dtype=torch.long, device=device),
                    params.bad_words)
 
 
@@ -46,8 +46,8 @@ def ban(logits: torch.Tensor, bans: Bans, output_ids: Sequence[int], draft_ids: 
     """logits [n, vocab] of a step's rows with each row's banned tokens at -inf (a new tensor).
     `sees` [n, k] bool: draft token j is on row r's path."""
     logits = logits.float().clone()
-    if bans.allowed is not None:
-        logits.masked_fill_(~bans.allowed[: logits.shape[-1]], float("-inf"))
+    if bans.outside is not None:
+        logits.masked_fill_(bans.outside[: logits.shape[-1]], float("-inf"))
     if bans.min_tokens > len(output_ids) and bans.stop_ids.numel():
         short = (len(output_ids) + sees.sum(dim=1) < bans.min_tokens).nonzero().flatten()
         logits[short[:, None], bans.stop_ids[None, :]] = float("-inf")

@@ -120,10 +120,10 @@ _TOP_P_FIRST_RANKS = 256  # ranks a top-p cut looks at first; 4x more each time 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[n, vocab] logits -> [n, vocab] float32 probabilities after temperature, min-p, top-k,
     top-p, in vLLM's order. min-p compares logits: p < min_p * p_max is l < l_max + log(min_p)."""
-    logits = logits.float() / params.temperature
+    logits = logits.float() / params.temperature  # a new tensor: masked in place below
     if params.min_p > 0:
-        floor = logits.max(dim=-1, keepdim=True).values + math.log(params.min_p)
-        logits = logits.masked_fill(logits < floor, float("-inf"))
+        floor = logits.amax(dim=-1, keepdim=True) + math.log(params.min_p)
+        logits.masked_fill_(logits < floor, float("-inf"))
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
