@@ -51,6 +51,15 @@ from router.control import (
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.metrics import render as render_metrics
 from router.observation import Observation
+from router.responses import (
+    RequestFieldError,
+    ResponseEvents,
+    ResponseObject,
+    ResponsesRequest,
+    answer_of,
+    output_items,
+    responses_param,
+)
 from router.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -213,6 +222,16 @@ class APIError(Exception):
         self.status = status
         self.headers = headers
         self.body = ErrorResponse(error=ErrorBody(message=message, type=type, param=param, code=code))
+
+
+    def for_param(self, rename: Callable[[str], str]) -> "APIError":
+        """This error naming its field as `rename` calls it."""
+        error = self.body.error
+        if error.param is None:
+            return self
+        param = rename(error.param)
+        message = error.message.replace(f"{error.param}:", f"{param}:", 1)
+        return APIError(self.status, message, param, error.code, error.type, self.headers)
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -520,6 +539,27 @@ class OpenAIIngress:
             usage=_usage([out.result for out in outs], body.n), speculation=_speculation_info(outs[0].result),
         )
 
+    @app.post("/v1/responses", response_model=None)
+    async def responses(self, body: ResponsesRequest) -> ResponseObject | StreamingResponse:
+        """OpenAI's Responses API on the chat path, stateless (router/responses.py)."""
+        try:
+            chat = body.as_chat()
+        except RequestFieldError as e:
+            raise APIError(400, str(e), e.param) from None
+        response = ResponseObject.started(body, f"resp_{uuid.uuid4().hex}", self.model_name)
+        messages = [m.as_template_message() for m in chat.messages]
+        try:
+            if body.stream:
+                gens, heads = await self._open_streams(chat, [messages])
+                events = ResponseEvents(response, chat.tool_calls)
+                return StreamingResponse(self._response_events(gens, heads, events), media_type="text/event-stream")
+            out = (await self._generate(chat, [messages]))[0]
+        except APIError as e:  # the worker names the chat request's fields
+            raise e.for_param(responses_param) from None
+        finish = out.finish_reason or "length"
+        items = output_items(answer_of(out.text, finish, chat.tool_calls), f"msg_{uuid.uuid4().hex}")
+        return response.finished(items, out.result, finish, _speculation_info(out.result))
+
     # -- observability and control (docs/deploy.md, "Observability") ---------------------------
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -654,17 +694,49 @@ class OpenAIIngress:
         make_chunk: Callable[..., BaseModel], first: Callable[[int], BaseModel] | None,
     ) -> StreamingResponse:
         """`make_chunk(index, text, ...)`: a choice's SSE chunk; `first(index)`: what each choice opens with."""
+        gens, heads = await self._open_streams(body, prompts)
+        return StreamingResponse(self._events(gens, heads, make_chunk, first, body.include_usage, body.n),
+                                 media_type="text/event-stream")
+
+    async def _open_streams(
+        self, body: GenerationRequestBase, prompts: Sequence[Prompt],
+    ) -> tuple[list[DeploymentResponseGenerator], list[Chunk]]:
+        """Every choice's stream and its first chunk, before the response starts: a bad request
+        is still a 400."""
         gens: list[DeploymentResponseGenerator] = [
             self.worker.options(stream=True).stream.remote(r) for r in await self._requests(body, prompts)]
-        try:  # every choice's first chunk before the response starts: a bad request is still a 400
+        try:
             heads: list[Chunk] = [await gen.__anext__() for gen in gens]
             if (error := next((h.error for h in heads if h.error is not None), None)) is not None:
                 raise error
         except Exception as e:
             _cancel(gens)
             raise _as_api_error(e) from None
-        return StreamingResponse(self._events(gens, heads, make_chunk, first, body.include_usage, body.n),
-                                 media_type="text/event-stream")
+        return gens, heads
+
+    async def _response_events(
+        self, gens: list[DeploymentResponseGenerator], heads: list[Chunk], events: ResponseEvents,
+    ) -> AsyncIterator[str]:
+        """A streamed /v1/responses: Responses' typed events over the chat's chunks."""
+        done = False
+        try:
+            for event in events.start():
+                yield event
+            async for _, chunk in _interleaved(gens, heads):
+                for event in events.text(chunk.text):
+                    yield event
+                if chunk.finish_reason is not None:
+                    for event in events.finish(chunk.finish_reason, chunk.result, _speculation_info(chunk.result)):
+                        yield event
+            done = True
+        except _CANCELLED:  # the client went away: nobody to report to
+            raise
+        except Exception as e:  # the response has started: report in-band, then end the stream
+            error = _as_api_error(e).body.error
+            yield events.error(error.code, error.message, error.param)
+        finally:
+            if not done:
+                _cancel(gens)
 
     async def _events(
         self, gens: list[DeploymentResponseGenerator], heads: list[Chunk], make_chunk: Callable[..., BaseModel],

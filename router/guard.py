@@ -16,7 +16,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 DEFAULT_RETRY_AFTER_S = 1
-API_KEY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"})
+API_KEY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize",
+                           "/detokenize"})
 
 Refusal = Callable[[int, str, str], ASGIApp]  # (status, message, code) -> the response
 

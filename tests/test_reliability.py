@@ -170,7 +170,7 @@ def test_body_over_the_limit_is_413_declared_or_chunked(base_url: str) -> None:
 # -- security ----------------------------------------------------------------------------------------
 def test_inference_needs_the_api_key(base_url: str) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, ADMIN_AUTH):
-        for path in ("/v1/chat/completions", "/v1/completions"):
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize"):
             error = _assert_openai_error(_post(base_url, path, CHAT, headers=headers), 401)
             assert error["code"] == "invalid_api_key"
         r = requests.get(f"{base_url}/v1/models", headers=headers, timeout=30)

@@ -568,6 +568,113 @@ def test_a_conversation_goes_on_after_a_tool_call(base_url: str) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].tool_calls[0].function.name", r.text
 
 
+def _response_events(base_url: str, body: dict) -> list[tuple[str, dict]]:
+    """A streamed /v1/responses' (event name, data) pairs, the names checked against the types."""
+    with requests.post(f"{base_url}/v1/responses", json={**body, "stream": True}, stream=True, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        blocks = [b for b in r.text.split("\n\n") if b.strip()]
+    events = []
+    for block in blocks:
+        name, data = block.split("\n")
+        assert name.startswith("event: ") and data.startswith("data: ")
+        events.append((name[len("event: "):], json.loads(data[len("data: "):])))
+    assert all(name == data["type"] for name, data in events)
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    return events
+
+
+def test_responses_answer_as_chat_does_streamed_and_not(client, base_url: str) -> None:
+    """/v1/responses is the chat path: the same text, tokens and speculation as the chat request
+    it stands for; the openai client parses both the response and its events."""
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=24, temperature=0, extra_body={"ignore_eos": True},
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count: one two three"}])
+    body = {"model": MODEL, "instructions": "Be brief.", "input": "Count: one two three", "max_output_tokens": 24,
+            "temperature": 0, "ignore_eos": True}
+    response = client.responses.create(**{k: v for k, v in body.items() if k != "ignore_eos"},
+                                       extra_body={"ignore_eos": True})
+    assert response.output_text == chat.choices[0].message.content and response.output[0].type == "message"
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (chat.usage.prompt_tokens, 24)
+    assert response.usage.total_tokens == 24 + chat.usage.prompt_tokens
+    events = _response_events(base_url, body)
+    names = [name for name, _ in events]
+    assert names[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert names[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    deltas = "".join(data["delta"] for name, data in events if name == "response.output_text.delta")
+    assert deltas == response.output_text == events[-4][1]["text"]
+    assert events[-1][1]["response"]["output"][0]["content"][0]["text"] == response.output_text
+    assert events[-1][1]["response"]["speculation"]["num_steps"] >= 1
+    streamed = list(client.responses.create(stream=True, **{k: v for k, v in body.items() if k != "ignore_eos"},
+                                            extra_body={"ignore_eos": True}))
+    assert [e.type for e in streamed] == names
+    # the items a client sends back (an earlier answer, as output_text parts) continue the conversation
+    followed = client.responses.create(model=MODEL, max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": "Count: one two three"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": response.output_text}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "Again"}]}])
+    again = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": "Count: one two three"}, {"role": "assistant", "content": response.output_text},
+        {"role": "user", "content": "Again"}])
+    assert followed.output_text == again.choices[0].message.content
+
+
+def test_responses_call_functions_and_read_their_outputs(client, base_url: str) -> None:
+    tool = {"type": "function", **WEATHER["function"]}
+    body = {"model": MODEL, "input": "Weather in Paris?", "tools": [tool], "tool_choice": "required",
+            "max_output_tokens": 60, "temperature": 0}
+    response = client.responses.create(**body)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and all(c.name == "get_weather" and set(json.loads(c.arguments)) == {"city", "unit"} for c in calls)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                          tools=[WEATHER], tool_choice="required", max_tokens=60, temperature=0)
+    assert [c.arguments for c in calls] == [c.function.arguments for c in chat.choices[0].message.tool_calls]
+    events = _response_events(base_url, body)
+    done = [data for name, data in events if name == "response.function_call_arguments.done"]
+    assert [d["arguments"] for d in done] == [c.arguments for c in calls]
+    assert events[-1][0] == "response.completed"
+    named = client.responses.create(**{**body, "tool_choice": {"type": "function", "name": "get_weather"}})
+    assert [item.type for item in named.output] == ["function_call"]
+    # the agent sends the call and its output back: the conversation goes on, as on chat
+    call = calls[0]
+    turn = client.responses.create(model=MODEL, max_output_tokens=8, temperature=0, tools=[tool], tool_choice="none",
+                                   input=[{"role": "user", "content": "Weather in Paris?"},
+                                          {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                                           "arguments": call.arguments},
+                                          {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}])
+    chat_turn = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, tools=[WEATHER],
+                                               tool_choice="none", messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+            "name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "18 C"}])
+    assert turn.output_text == chat_turn.choices[0].message.content
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+              "additionalProperties": False}
+    person = client.responses.create(model=MODEL, input="A person as JSON", max_output_tokens=40, temperature=0,
+                                     text={"format": {"type": "json_schema", "name": "person", "schema": schema}})
+    assert set(json.loads(person.output_text)) == {"name"}
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": []}, "input"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].message.content"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x" * 20 + "lorem ipsum " * 600}, "input"),
+    ({"temperatur": 1}, "temperatur"),
+])
+def test_bad_responses_request_is_400_naming_the_field(base_url: str, body: dict, param: str) -> None:
+    r = requests.post(f"{base_url}/v1/responses", json={"model": MODEL, "input": "hi", **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
 def arguments_text(response) -> str:
     return response.choices[0].message.tool_calls[0].function.arguments
 

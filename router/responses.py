@@ -1,0 +1,429 @@
+"""OpenAI's Responses API (`POST /v1/responses`) on the chat path, stateless as vLLM serves it
+without a store.
+
+A request becomes a chat completion request (`as_chat`): `instructions` the system message,
+`input` (a text, or messages, function calls and their outputs) the chat, `text.format` the
+`response_format`, flat function tools OpenAI's chat tools; it is then generated, routed and
+speculated exactly as a chat completion is. The answer becomes output items (`ResponseObject.of`):
+a `message` with the text, or `function_call` items where tools were called. A stream is
+Responses' typed events (`ResponseEvents`): `response.created`, the items' `added` / `delta` /
+`done` events, `response.completed`. Nothing is stored, so `previous_response_id` and
+`background` are refused by name; send the whole conversation as `input`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+
+from router.schemas import (
+    ChatCompletionRequest,
+    NamedToolChoice,
+    SpeculationInfo,
+    SpeculationRequest,
+)
+from router.tools import Answer, ToolChoice
+from workers.result import GenerationResult
+
+# what a field of the chat request came from, for error messages
+_FIELD_OF_CHAT = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+# -- requests --------------------------------------------------------------------------------
+class ContentPart(BaseModel):
+    """A message's text part (what an earlier response's output_text is sent back as, too)."""
+
+    model_config = ConfigDict(extra="ignore")  # output_text carries annotations and logprobs
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class MessageItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ContentPart]
+    id: str | None = None
+    status: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+def _item_type(value: Any) -> str:
+    """A message may leave out its type (OpenAI's easy input message)."""
+    return (value.get("type") if isinstance(value, dict) else getattr(value, "type", None)) or "message"
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_type),
+]
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # OpenAI's; one verbosity here
+
+
+class ResponsesRequest(BaseModel):
+    """OpenAI's fields that change the output are served, and SpecRoute's extensions as on chat;
+    those that ask for state or features this server does not keep are refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: Annotated[Annotated[str, Tag("str")] | Annotated[list[InputItem], Tag("list")],
+                     Discriminator(lambda v: "str" if isinstance(v, str) else "list")] = Field(
+        description="a text (the user's message) or the conversation's items")
+    instructions: str | None = Field(None, description="the system message")
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stream: bool = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    # accepted, and ignored: they do not change what is generated
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: bool | None = Field(None, description="accepted; nothing is stored here")
+    reasoning: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # state and features this server does not keep
+    previous_response_id: None = Field(None, description="refused: nothing is stored; send the whole conversation")
+    background: Literal[False] | None = None
+    include: list[str] | None = Field(None, max_length=0, description="no extra output is kept here")
+    truncation: Literal["disabled"] | None = None
+    # SpecRoute's extensions, as on chat
+    seed: int | None = None
+    top_k: int = Field(0, ge=-1)
+    ignore_eos: bool = False
+    priority: int = 0
+    speculation: SpeculationRequest | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _some_input(cls, value: str | list[Any]) -> str | list[Any]:
+        if not value:
+            raise ValueError("holds no input")
+        return value
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat completion request that generates this response. A ValueError names the field
+        of this request that the chat request refused."""
+        body: dict[str, Any] = {
+            "model": self.model, "messages": self._messages(), "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "seed": self.seed,
+            "top_k": self.top_k, "ignore_eos": self.ignore_eos, "priority": self.priority,
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }
+        if self.speculation is not None:
+            body["speculation"] = self.speculation.model_dump()
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                             for t in self.tools]
+        choice = self.tool_choice
+        body["tool_choice"] = (choice if isinstance(choice, str)
+                               else NamedToolChoice(type="function", function={"name": choice.name}).model_dump())
+        if self.text is not None and (fmt := self.text.format) is not None:
+            body["response_format"] = {"type": fmt.type} if fmt.type != "json_schema" else {
+                "type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_,
+                                                       "description": fmt.description, "strict": fmt.strict}}
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            error = e.errors()[0]
+            loc = [str(p) for p in error["loc"] if not isinstance(p, int)]
+            field = responses_param(loc[0]) if loc else "input"
+            raise RequestFieldError(field, f"{field}: {error['msg']}") from None
+
+    def _messages(self) -> list[dict[str, Any]]:
+        """The chat's messages: instructions first, consecutive function calls as one assistant
+        message's tool_calls, their outputs as tool messages."""
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for item in items:
+            if isinstance(item, MessageItem):
+                messages.append({"role": item.role, "content": item.text})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                    last["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        return messages
+
+
+def responses_param(chat_param: str) -> str:
+    """The field of a Responses request that a chat request's field came from."""
+    return _FIELD_OF_CHAT.get(chat_param, chat_param)
+
+
+class RequestFieldError(ValueError):
+    """A request the chat path refused, naming the Responses field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# -- responses -------------------------------------------------------------------------------
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = []
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class OutputFunctionCall(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = OutputMessage | OutputFunctionCall
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = OutputTokensDetails()
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    incomplete_details: IncompleteDetails | None = None
+    error: None = None
+    model: str
+    output: list[OutputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float
+    top_p: float
+    tools: list[FunctionTool]
+    tool_choice: str | FunctionToolChoice
+    parallel_tool_calls: bool
+    text: TextConfig
+    metadata: dict[str, str] | None = None
+    store: bool = False
+    usage: ResponseUsage | None = None
+    speculation: SpeculationInfo | None = None  # SpecRoute's: what ran and how well it was accepted
+
+    @classmethod
+    def started(cls, request: ResponsesRequest, response_id: str, model: str) -> ResponseObject:
+        """The response before any output: what `response.created` carries."""
+        return cls(
+            id=response_id, created_at=int(time.time()), status="in_progress", model=model, output=[],
+            instructions=request.instructions, max_output_tokens=request.max_output_tokens,
+            temperature=request.temperature, top_p=request.top_p, tools=request.tools or [],
+            tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,
+            text=request.text or TextConfig(format=TextFormat(type="text")), metadata=request.metadata,
+        )
+
+    def finished(self, output: list[OutputItem], result: GenerationResult, finish_reason: str,
+                 speculation: SpeculationInfo) -> ResponseObject:
+        incomplete = finish_reason == "length"
+        usage = ResponseUsage(
+            input_tokens=result.num_prompt_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=result.num_cached_tokens),
+            output_tokens=result.num_completion_tokens,
+            total_tokens=result.num_prompt_tokens + result.num_completion_tokens)
+        return self.model_copy(update={
+            "status": "incomplete" if incomplete else "completed", "output": output, "usage": usage,
+            "incomplete_details": IncompleteDetails(reason="max_output_tokens") if incomplete else None,
+            "speculation": speculation,
+        })
+
+
+def answer_of(text: str, finish_reason: str, tool_calls: ToolChoice | None) -> Answer:
+    """The chat's answer: the text, or the calls it holds."""
+    return Answer(None, text, finish_reason) if tool_calls is None else tool_calls.answer(text, finish_reason)
+
+
+def output_items(answer: Answer, message_id: str) -> list[OutputItem]:
+    """A message with the answer's text (where it has some), then its function calls."""
+    items: list[OutputItem] = []
+    status = "incomplete" if answer.finish_reason == "length" else "completed"
+    if answer.content is not None and (answer.content or answer.calls is None):
+        items.append(OutputMessage(id=message_id, status=status, content=[OutputText(text=answer.content)]))
+    for call in answer.calls or []:
+        items.append(OutputFunctionCall(id=f"fc_{uuid.uuid4().hex}", call_id=f"call_{uuid.uuid4().hex[:24]}",
+                                        name=call.name, arguments=call.arguments))
+    return items
+
+
+class ResponseEvents:
+    """A streamed response's events, as SSE text: the caller feeds the chat's text as it comes
+    (`text`), then the end (`finish`). With tools under "auto" an answer's content streams as
+    it is written and calls go out whole at the end, as on chat."""
+
+    def __init__(self, response: ResponseObject, tool_calls: ToolChoice | None) -> None:
+        self.response = response
+        self.tool_calls = tool_calls
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self._sequence = 0
+        self._held = ""  # the chat's text so far
+        self._sent = ""  # of it, the message content streamed
+        self._opened = False  # whether the message item has been announced
+
+    def start(self) -> list[str]:
+        return [self._event("response.created", response=self.response),
+                self._event("response.in_progress", response=self.response)]
+
+    def text(self, delta: str) -> list[str]:
+        self._held += delta
+        content = self._held if self.tool_calls is None else self.tool_calls.streamed_content(self._held)
+        new = (content or "")[len(self._sent):]
+        if not new:
+            return []
+        self._sent += new
+        return [*self._open(), self._event("response.output_text.delta", item_id=self.message_id, output_index=0,
+                                           content_index=0, delta=new, logprobs=[])]
+
+    def finish(self, finish_reason: str, result: GenerationResult, speculation: SpeculationInfo) -> list[str]:
+        answer = answer_of(self._held, finish_reason, self.tool_calls)
+        if self._opened and answer.content is None:  # streamed as an answer, cut short: what was sent
+            answer = Answer(answer.calls, self._sent, answer.finish_reason)
+        items = output_items(answer, self.message_id)
+        events: list[str] = []
+        for index, item in enumerate(items):
+            if isinstance(item, OutputMessage):
+                events += self._open()
+                text = item.content[0].text
+                if rest := text[len(self._sent):]:
+                    events.append(self._event("response.output_text.delta", item_id=item.id, output_index=index,
+                                              content_index=0, delta=rest, logprobs=[]))
+                events += [
+                    self._event("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
+                                text=text, logprobs=[]),
+                    self._event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
+                                part=item.content[0]),
+                ]
+            else:
+                events += [
+                    self._event("response.output_item.added", output_index=index,
+                                item=item.model_copy(update={"arguments": "", "status": "in_progress"})),
+                    self._event("response.function_call_arguments.delta", item_id=item.id, output_index=index,
+                                delta=item.arguments),
+                    self._event("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                                arguments=item.arguments),
+                ]
+            events.append(self._event("response.output_item.done", output_index=index, item=item))
+        done = self.response.finished(items, result, finish_reason, speculation)
+        kind = "response.completed" if done.status == "completed" else "response.incomplete"
+        return [*events, self._event(kind, response=done)]
+
+    def error(self, code: str | None, message: str, param: str | None) -> str:
+        return self._event("error", code=code, message=message, param=param)
+
+    def _open(self) -> list[str]:
+        """The message item's opening events, the first time its text streams."""
+        if self._opened:
+            return []
+        self._opened = True
+        empty = OutputMessage(id=self.message_id, status="in_progress", content=[])
+        return [self._event("response.output_item.added", output_index=0, item=empty),
+                self._event("response.content_part.added", item_id=self.message_id, output_index=0,
+                            content_index=0, part=OutputText(text=""))]
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        payload = {"type": kind, "sequence_number": self._sequence,
+                   **{k: v.model_dump(mode="json", by_alias=True) if isinstance(v, BaseModel) else v
+                      for k, v in fields.items()}}
+        self._sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
