@@ -473,27 +473,23 @@ class BatchingStats:
                        step_s=self.step_s + step_s)
 
     def __add__(self, other: BatchingStats) -> BatchingStats:
-        return BatchingStats(self.num_running + other.num_running, self.num_waiting + other.num_waiting,
-                             self.batch_size + other.batch_size, self.step_tokens + other.step_tokens,
-                             self.num_emitted + other.num_emitted, self.step_s + other.step_s,
-                             self.prefix_queries + other.prefix_queries, self.prefix_hits + other.prefix_hits,
-                             self.prefix_held_tokens + other.prefix_held_tokens,
-                             self.num_preemptions + other.num_preemptions)
+        return BatchingStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     def to_json(self) -> dict[str, Any]:
-        return {"num_running": self.num_running, "num_waiting": self.num_waiting,
-                "batch_size": [list(self.batch_size.counts), self.batch_size.total],
-                "step_tokens": [list(self.step_tokens.counts), self.step_tokens.total],
-                "num_emitted": self.num_emitted, "step_s": self.step_s,
-                "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
-                "prefix_held_tokens": self.prefix_held_tokens, "num_preemptions": self.num_preemptions}
+        """Counters as numbers, histograms as [counts, total]."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: [list(v.counts), v.total] if isinstance(v, CountHistogram) else v for name, v in values.items()}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> BatchingStats:
-        (bs, bs_total), (st, st_total) = data["batch_size"], data["step_tokens"]
-        return cls(int(data["num_running"]), int(data["num_waiting"]),
-                   CountHistogram(BATCH_SIZE_BUCKETS, tuple(bs), float(bs_total)),
-                   CountHistogram(STEP_TOKENS_BUCKETS, tuple(st), float(st_total)),
-                   int(data["num_emitted"]), float(data["step_s"]),
-                   int(data["prefix_queries"]), int(data["prefix_hits"]), int(data["prefix_held_tokens"]),
-                   int(data.get("num_preemptions", 0)))  # absent from a replica of an earlier version
+        """`to_json`'s inverse; a field a replica of an earlier version did not send keeps its default."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in data:
+                continue
+            if isinstance(f.default, CountHistogram):
+                counts, total = data[f.name]
+                values[f.name] = CountHistogram(f.default.edges, tuple(counts), float(total))
+            else:
+                values[f.name] = type(f.default)(data[f.name])
+        return cls(**values)

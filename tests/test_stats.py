@@ -5,6 +5,7 @@ sums are exact in every backend and snapshots compare with ==."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import uuid
@@ -21,6 +22,7 @@ from policies.records import (
     LATENCY_BUCKETS_S,
     PLAIN,
     AcceptanceCounts,
+    BatchingStats,
     Histogram,
     RequestRecord,
     ShadowRecord,
@@ -464,7 +466,6 @@ def test_redis_returns_and_buffered_steps_reconcile(throwaway_redis: ThrowawayRe
 
 # -- JSON and time series (what /metrics, /v1/stats and the dashboard read) ------------------------
 def test_snapshot_json_round_trip_is_exact(backend: Backend) -> None:
-    import json
     import pickle
 
     store = backend.new()
@@ -485,6 +486,18 @@ def test_snapshot_json_round_trip_is_exact(backend: Backend) -> None:
         assert back.mean_verify_s(4) == snap.mean_verify_s(4) and back.fallbacks == {("code", "low_speedup"): 1}
         pickle.dumps(data)  # what crosses Ray
     assert StatsSnapshot.from_json(StatsSnapshot(degraded=True).to_json()) == StatsSnapshot(degraded=True)
+
+
+def test_batching_stats_add_up_and_cross_as_json() -> None:
+    a = BatchingStats(num_running=2, prefix_queries=10, prefix_hits=4, num_preemptions=1).step(2, 5, 3, 0.25)
+    b = BatchingStats(num_waiting=1, prefix_held_tokens=64).step(1, 1, 1, 0.5).step(4, 9, 6, 0.125)
+    total = a + b
+    assert (total.num_running, total.num_waiting, total.num_emitted, total.step_s) == (2, 1, 10, 0.875)
+    assert (total.prefix_hit_rate, total.prefix_held_tokens, total.num_preemptions) == (0.4, 64, 1)
+    assert total.batch_size.count == 3 and total.step_tokens.total == 15
+    assert BatchingStats.from_json(json.loads(json.dumps(total.to_json()))) == total
+    earlier = {k: v for k, v in total.to_json().items() if k != "num_preemptions"}  # a replica of an earlier version
+    assert BatchingStats.from_json(earlier) == replace(total, num_preemptions=0)
 
 
 def test_series_one_snapshot_per_bucket(backend: Backend) -> None:
