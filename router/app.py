@@ -223,7 +223,6 @@ class APIError(Exception):
         self.headers = headers
         self.body = ErrorResponse(error=ErrorBody(message=message, type=type, param=param, code=code))
 
-
     def for_param(self, rename: Callable[[str], str]) -> "APIError":
         """This error naming its field as `rename` calls it."""
         error = self.body.error

@@ -421,7 +421,9 @@ class TargetWorker:
             keep = engine.max_model_len if r.truncate_prompt_tokens == -1 else r.truncate_prompt_tokens
             if len(prompt_ids) > keep:
                 prompt_ids = prompt_ids[-keep:]
-                slot.prompt_text = text = engine.tokenizer.decode(prompt_ids)
+                slot.prompt_text = engine.tokenizer.decode(prompt_ids)  # what a completion's echo repeats
+                if not isinstance(r.prompt, list):  # a chat is still classified by its last user message
+                    text = slot.prompt_text
         try:
             prediction = tuple(engine.encode_text(r.prediction)) if r.prediction else ()
         except Exception as e:

@@ -662,11 +662,6 @@ class SpecEngine:
             if not takeable:
                 raise RequestError("allowed_token_ids: every allowed token may be banned (it ends a bad word, or "
                                    "is a stop token before min_tokens)", "allowed_token_ids")
-        if params.output_format is not None:
-            for name in ("allowed_token_ids", "bad_words"):
-                if getattr(params, name):
-                    raise RequestError(f"{name} cannot be combined with a response format or tool calls: the "
-                                       "grammar may need a token it bans", name)
         self.check_token_ids(prompt_ids, "prompt")
         if params.prediction:
             if len(params.prediction) > self.max_model_len:
@@ -674,6 +669,10 @@ class SpecEngine:
                                    f"context length of {self.max_model_len}", "prediction")
             self.check_token_ids(params.prediction, "prediction")
         if params.output_format is not None:
+            for name in ("allowed_token_ids", "bad_words"):
+                if getattr(params, name):
+                    raise RequestError(f"{name} cannot be combined with a response format or tool calls: the "
+                                       "grammar may need a token it bans", name)
             try:
                 self.grammars.check(params.output_format)
             except ValueError as e:
