@@ -432,8 +432,12 @@ class OpenAIIngress:
 
     @app.get("/v1/models")
     async def models(self) -> ModelList:
-        card = ModelCard(id=self.model_name, created=self.created, max_model_len=await self._max_model_len())
-        return ModelList(data=[card])
+        return ModelList(data=[await self._card()])
+
+    @app.get("/v1/models/{model}")
+    async def model(self, model: str) -> ModelCard:
+        self._check_model(model)
+        return await self._card()
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
@@ -464,7 +468,7 @@ class OpenAIIngress:
         def logprobs_of(index: int, entries: list[TokenLogprobs] | None) -> CompletionLogprobs | None:
             if entries is None:
                 return None
-            shaped = CompletionLogprobs.of(entries, offsets[index])
+            shaped = CompletionLogprobs.of(entries, offsets[index], body.return_tokens_as_token_ids)
             offsets[index] += sum(len(e.chosen.token) for e in entries)
             return shaped
 
@@ -513,8 +517,8 @@ class OpenAIIngress:
                     rest = None if answer.content is None else answer.content[len(sent[index]):]
                     delta = ChatDelta(content=rest, tool_calls=None if answer.calls is None else [
                         ToolCallDelta(index=i, **_tool_call(c).model_dump()) for i, c in enumerate(answer.calls)])
-            choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish,
-                                     logprobs=None if logprobs is None else ChatLogprobs.of(logprobs))
+            choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=None if logprobs is None
+                                     else ChatLogprobs.of(logprobs, body.return_tokens_as_token_ids))
             return ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
                                        choices=[choice], speculation=spec)
 
@@ -533,7 +537,8 @@ class OpenAIIngress:
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name,
             choices=[ChatChoice(index=i, message=msg, finish_reason=finish,
-                                logprobs=None if out.logprobs is None else ChatLogprobs.of(out.logprobs))
+                                logprobs=None if out.logprobs is None
+                                else ChatLogprobs.of(out.logprobs, body.return_tokens_as_token_ids))
                      for i, (out, (msg, finish)) in enumerate(zip(outs, answers))],
             usage=_usage([out.result for out in outs], body.n), speculation=_speculation_info(outs[0].result),
         )
@@ -623,6 +628,9 @@ class OpenAIIngress:
             except Exception as e:
                 raise APIError(503, f"no worker replica answered max_model_len: {e!r}", type="internal_error") from None
         return self._context_limit
+
+    async def _card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, created=self.created, max_model_len=await self._max_model_len())
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

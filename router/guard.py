@@ -18,6 +18,7 @@ DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 DEFAULT_RETRY_AFTER_S = 1
 API_KEY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize",
                            "/detokenize"})
+API_KEY_PREFIXES = ("/v1/models/",)  # a model's card
 
 Refusal = Callable[[int, str, str], ASGIApp]  # (status, message, code) -> the response
 
@@ -61,7 +62,8 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         key = SETTINGS.api_key
-        if key and scope.get("path") in API_KEY_PATHS and \
+        path = scope.get("path", "")
+        if key and (path in API_KEY_PATHS or path.startswith(API_KEY_PREFIXES)) and \
                 not bearer_matches(key, headers.get(b"authorization", b"").decode("latin-1")):
             refusal = self.refuse(401, "missing or incorrect API key: send Authorization: Bearer <api key>",
                                   "invalid_api_key")

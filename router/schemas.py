@@ -207,6 +207,8 @@ class GenerationRequestBase(BaseModel):
         None, max_length=MAX_BAD_WORDS, description="extension, as in vLLM: words the output never contains "
                                                     "(their last token is banned after the others)")
     skip_special_tokens: bool = Field(True, description="extension, as in vLLM: leave special tokens out of the text")
+    return_tokens_as_token_ids: bool = Field(False, description='extension, as in vLLM: logprobs name tokens '
+                                                                '"token_id:N", not by their text')
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="extension, as in vLLM: keep the prompt's last so many tokens (-1: as many as "
                                  "the model's context holds)")
@@ -685,8 +687,17 @@ class TopLogprob(BaseModel):
     bytes: list[int]
 
     @classmethod
-    def of(cls, entry: Logprob) -> TopLogprob:
+    def of(cls, entry: Logprob, as_ids: bool = False) -> TopLogprob:
+        """`as_ids`: the token as "token_id:N" (vLLM's return_tokens_as_token_ids), its bytes that text's."""
+        if as_ids:
+            token = token_as_id(entry.token_id)
+            return cls(token=token, logprob=entry.logprob, bytes=list(token.encode()))
         return cls(token=entry.token, logprob=entry.logprob, bytes=list(entry.bytes))
+
+
+def token_as_id(token_id: int) -> str:
+    """A token written as its id, where text would be ambiguous (vLLM's return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}"
 
 
 class ChatTokenLogprob(TopLogprob):
@@ -698,9 +709,10 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
     @classmethod
-    def of(cls, entries: list[TokenLogprobs]) -> ChatLogprobs:
+    def of(cls, entries: list[TokenLogprobs], as_ids: bool = False) -> ChatLogprobs:
         return cls(content=[
-            ChatTokenLogprob(**TopLogprob.of(e.chosen).model_dump(), top_logprobs=[TopLogprob.of(t) for t in e.top])
+            ChatTokenLogprob(**TopLogprob.of(e.chosen, as_ids).model_dump(),
+                             top_logprobs=[TopLogprob.of(t, as_ids) for t in e.top])
             for e in entries
         ])
 
@@ -714,15 +726,20 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]  # where each token's text starts in the completion (echoed: in prompt + completion)
 
     @classmethod
-    def of(cls, entries: list[TokenLogprobs], offset: int = 0) -> CompletionLogprobs:
-        """`offset`: where the first token's text starts (a stream's later chunk)."""
+    def of(cls, entries: list[TokenLogprobs], offset: int = 0, as_ids: bool = False) -> CompletionLogprobs:
+        """`offset`: where the first token's text starts (a stream's later chunk); `as_ids`: tokens
+        as "token_id:N" (the offsets stay those of the text)."""
         starts = [offset]
         for e in entries[:-1]:
             starts.append(starts[-1] + len(e.chosen.token))
+
+        def name(entry: Logprob) -> str:
+            return token_as_id(entry.token_id) if as_ids else entry.token
+
         return cls(
-            tokens=[e.chosen.token for e in entries],
+            tokens=[name(e.chosen) for e in entries],
             token_logprobs=[e.chosen.logprob for e in entries],
-            top_logprobs=[None if e.chosen.logprob is None else {t.token: t.logprob for t in (*e.top, e.chosen)}
+            top_logprobs=[None if e.chosen.logprob is None else {name(t): t.logprob for t in (*e.top, e.chosen)}
                           for e in entries],
             text_offset=starts,
         )

@@ -173,8 +173,9 @@ def test_inference_needs_the_api_key(base_url: str) -> None:
         for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize"):
             error = _assert_openai_error(_post(base_url, path, CHAT, headers=headers), 401)
             assert error["code"] == "invalid_api_key"
-        r = requests.get(f"{base_url}/v1/models", headers=headers, timeout=30)
-        assert _assert_openai_error(r, 401)["code"] == "invalid_api_key"
+        for path in ("/v1/models", "/v1/models/anything"):
+            r = requests.get(f"{base_url}{path}", headers=headers, timeout=30)
+            assert _assert_openai_error(r, 401)["code"] == "invalid_api_key"
     assert requests.get(f"{base_url}/healthz", timeout=30).status_code == 200  # probes need no key
 
     good = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)

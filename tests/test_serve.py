@@ -76,6 +76,9 @@ def test_deploy_configs_validate(name: str) -> None:
 def test_healthz_and_models(base_url: str, client) -> None:
     assert requests.get(f"{base_url}/healthz", timeout=10).status_code == 200
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    r = requests.get(f"{base_url}/v1/models/nope", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_chat_completion(client) -> None:
@@ -155,6 +158,11 @@ def test_chat_logprobs_streamed_and_not(client) -> None:
     assert streamed == content
     plain = client.chat.completions.create(**{**common, "logprobs": None, "top_logprobs": None})
     assert plain.choices[0].logprobs is None
+    as_ids = client.chat.completions.create(**{**common, "extra_body": {
+        **common["extra_body"], "return_tokens_as_token_ids": True}}).choices[0].logprobs.content
+    assert [t.logprob for t in as_ids] == [t.logprob for t in content]
+    assert all(re.fullmatch(r"token_id:\d+", t.token) and bytes(t.bytes).decode() == t.token for t in as_ids)
+    assert all(re.fullmatch(r"token_id:\d+", x.token) for t in as_ids for x in t.top_logprobs)
 
 
 def test_completion_logprobs(base_url: str) -> None:
@@ -172,6 +180,12 @@ def test_completion_logprobs(base_url: str) -> None:
     parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
     assert [x for p in parts for x in p["text_offset"]] == lp["text_offset"]  # the seed draws the same text
     assert [x for p in parts for x in p["token_logprobs"]] == lp["token_logprobs"]
+    ids = requests.post(f"{base_url}/v1/completions", json={**body, "return_tokens_as_token_ids": True},
+                        timeout=60).json()["choices"][0]["logprobs"]
+    assert ids["text_offset"] == lp["text_offset"] and ids["token_logprobs"] == lp["token_logprobs"]
+    tokens = [int(t.removeprefix("token_id:")) for t in ids["tokens"]]
+    text = requests.post(f"{base_url}/detokenize", json={"tokens": tokens}, timeout=60).json()["prompt"]
+    assert text == out["choices"][0]["text"] and all(ids["tokens"][i] in ids["top_logprobs"][i] for i in range(12))
 
 
 def test_completion_prompts_as_token_ids_and_several_at_once(base_url: str, client, tiny_llama_dir: Path) -> None:
