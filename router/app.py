@@ -496,7 +496,7 @@ class OpenAIIngress:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         messages = [m.as_template_message() for m in body.messages]
-        tool_calls = body.tool_calls
+        tool_calls = body.use_tool_call_parser(self.args.engine.target.tool_call_parser).tool_calls
         held = [""] * body.n  # a choice's output: its calls go out whole, in its last chunk
         sent = [""] * body.n  # of an answer to tools ("auto"), the content streamed
 
@@ -547,7 +547,7 @@ class OpenAIIngress:
     async def responses(self, body: ResponsesRequest) -> ResponseObject | StreamingResponse:
         """OpenAI's Responses API on the chat path, stateless (router/responses.py)."""
         try:
-            chat = body.as_chat()
+            chat = body.as_chat().use_tool_call_parser(self.args.engine.target.tool_call_parser)
         except RequestFieldError as e:
             raise APIError(400, str(e), e.param) from None
         response = ResponseObject.started(body, f"resp_{uuid.uuid4().hex}", self.model_name)

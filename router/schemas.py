@@ -30,9 +30,19 @@ answered without them. A field OpenAI does not define is refused: a typo must no
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from router.tools import NO_PARAMETERS, ToolChoice
 from workers.config import (
@@ -43,6 +53,7 @@ from workers.config import (
     MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
+    ToolCallParser,
 )
 from workers.result import Logprob, TokenLogprobs
 from workers.structured import OutputFormat, format_error
@@ -464,6 +475,7 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatCompletionRequest(GenerationRequestBase):
+    _tool_call_parser: ToolCallParser = PrivateAttr("generic")  # the server's (`use_tool_call_parser`)
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
     parallel_tool_calls: bool | None = None
@@ -522,8 +534,16 @@ class ChatCompletionRequest(GenerationRequestBase):
 
     @property
     def tool_calls(self) -> ToolChoice | None:
-        """The calls the request asks for, decoded under their schemas; None: an ordinary answer."""
-        return self._tool_calls(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+        """The calls the request asks for, decoded under their schemas, written as the target's
+        parser reads them; None: an ordinary answer."""
+        calls = self._tool_calls(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+        return None if calls is None else replace(calls, parser=self._tool_call_parser)
+
+    def use_tool_call_parser(self, parser: ToolCallParser) -> ChatCompletionRequest:
+        """Set how the served target writes tool calls (`target.tool_call_parser`); the server's
+        setting, not the client's."""
+        self._tool_call_parser = parser
+        return self
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:

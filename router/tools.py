@@ -9,18 +9,28 @@ exactly one), and each element becomes a call. "auto" (the default with tools): 
 becomes the message's content and streams as it is written (llama.cpp's generic tool calls).
 The grammar does the work, so every drafter stays lossless (workers/structured.py) and a call
 always parses, unless max_tokens cut it short.
+
+A target whose parser is hermes (`target.tool_call_parser`: Qwen 2.5 and 3, Hermes, SmolLM3) writes
+calls its own way, `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`: a named function
+and "required" hold the output to such blocks (a Lark grammar around each call's schema); under
+"auto" the model writes freely, as vLLM's hermes parser lets it, and the blocks it wrote become the
+calls, the text before them the content (streamed up to where a block may begin).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from workers.structured import OutputFormat
+from workers.chat import HERMES_CLOSE, HERMES_OPEN
+from workers.config import ToolCallParser
+from workers.structured import JSON_STYLE, OutputFormat
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: parameters omitted
 _RESPONSE_OPEN = '{"response": "'  # how an "auto" answer starts (JSON as json.dumps writes it)
+_HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN.strip()) + r"\s*(.*?)\s*" + re.escape(HERMES_CLOSE.strip()), re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -47,9 +57,13 @@ class ToolChoice:
     name: str | None = None
     parallel: bool = True
     auto: bool = False
+    parser: ToolCallParser = "generic"  # how the target writes calls
 
     @property
-    def output_format(self) -> OutputFormat:
+    def output_format(self) -> OutputFormat | None:
+        """What the output is held to (None: nothing, hermes under "auto")."""
+        if self.parser == "hermes":
+            return None if self.auto else self._hermes_format()
         if self.name is not None:
             return OutputFormat.json_schema(self.tools[self.name])
         one_of = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
@@ -67,8 +81,22 @@ class ToolChoice:
              "additionalProperties": False},
         ]})
 
+    def _hermes_format(self) -> OutputFormat:
+        """One `<tool_call>` block (more, one per line, with parallel calls), each holding
+        `{"name": ..., "arguments": ...}` of one tool (the named one's)."""
+        names = [self.name] if self.name is not None else list(self.tools)
+        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": self.tools[name]},
+                           "required": ["name", "arguments"], "additionalProperties": False} for name in names],
+                "x-guidance": JSON_STYLE}
+        more = ' ("\\n" call)*' if self.parallel and self.name is None else ""
+        return OutputFormat("grammar", f"start: call{more}\n"
+                                       f"call: {json.dumps(HERMES_OPEN)} body {json.dumps(HERMES_CLOSE)}\n"
+                                       f"body: %json {json.dumps(call)}\n")
+
     def answer(self, text: str, finish_reason: str) -> Answer:
         """The message of an output held to `output_format` that ended with `finish_reason`."""
+        if self.parser == "hermes":
+            return self._hermes_answer(text, finish_reason)
         if self.name is not None:  # the arguments as written, cut short or not (OpenAI's "length")
             return Answer([Call(self.name, text)], None, finish_reason)
         try:
@@ -83,10 +111,39 @@ class ToolChoice:
             return Answer(None, text if not content else content, finish_reason)
         return Answer(calls, None, "tool_calls" if finish_reason == "stop" else finish_reason)
 
+    def _hermes_answer(self, text: str, finish_reason: str) -> Answer:
+        """The `<tool_call>` blocks as calls, the text before the first as content (None if
+        empty); an output whose blocks do not all parse as calls of the tools is content only."""
+        start = text.find(HERMES_OPEN.strip())
+        if start < 0:
+            return Answer(None, text, finish_reason)
+        try:
+            calls = []
+            for body in _HERMES_BLOCK.findall(text):
+                call = json.loads(body)
+                if call["name"] not in self.tools or not isinstance(call["arguments"], dict):
+                    raise ValueError(f"not a call of a tool: {body}")
+                calls.append(Call(call["name"], json.dumps(call["arguments"])))
+        except (ValueError, TypeError, KeyError):
+            calls = []
+        if not calls:  # a block max_tokens cut short, or not a call: the text as it is
+            return Answer(None, text, finish_reason)
+        finish = "stop" if self.name is not None else "tool_calls"
+        return Answer(calls, text[:start] or None, finish if finish_reason == "stop" else finish_reason)
+
     def streamed_content(self, text: str) -> str | None:
         """What of an output so far may stream as the message's content: under "auto", while it
         is an answer (`{"response": "...`), the answer's text as far as it decodes whole ("" while
-        the output may still become one); None where it is calls (they go out whole, at the end)."""
+        the output may still become one); None where it is calls (they go out whole, at the end).
+        Hermes under "auto": the text before a `<tool_call>`, less a tail that may begin one."""
+        if self.parser == "hermes":
+            if not self.auto:
+                return None
+            opener = HERMES_OPEN.strip()
+            if (start := text.find(opener)) >= 0:
+                return text[:start]
+            held = max((n for n in range(1, len(opener)) if text.endswith(opener[:n])), default=0)
+            return text[: len(text) - held]
         if not self.auto or not (text.startswith(_RESPONSE_OPEN) or _RESPONSE_OPEN.startswith(text)):
             return None
         return json_string_prefix(text[len(_RESPONSE_OPEN):])

@@ -15,6 +15,7 @@
   a draft tree's leading chain.
 - `slow_device_waits`: a module's `synchronize` replaced by a recorded stand-in wait, for the
   checks that timed GPU work is clocked after the device finishes.
+- `HERMES_TEMPLATE`: a chat template that renders tools and writes calls as Hermes' blocks.
 """
 
 from __future__ import annotations
@@ -375,3 +376,28 @@ def chains_where_trees_are_inexact(engine: SpecEngine, drafter: str, k: int, tex
     gen.close()
     assert result.token_ids == engine.generate(ids, params).token_ids
     assert result.num_draft_tokens > 0 and all(s.num_tree_nodes == 0 for s in result.steps)
+
+
+# A chat template in the manner of Qwen 2.5's: tools in the system turn, calls as <tool_call> blocks
+# (a target whose tool_call_parser is hermes)
+HERMES_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Call a function with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for m in messages %}{% if m.role != 'system' %}<|im_start|>{{ 'user' if m.role == 'tool' else m.role }}
+{% if m.role == 'tool' %}<tool_response>
+{{ m.content }}
+</tool_response>{% else %}{{ m.content or '' }}{% for c in m.tool_calls or [] %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>{% endfor %}{% endif %}<|im_end|>
+{% endif %}{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import requests
 import yaml
-from helpers import serve_tiny_app
+from helpers import HERMES_TEMPLATE, serve_tiny_app
 from prometheus_client.parser import text_string_to_metric_families
 
 from workers.config import EngineConfig
@@ -54,3 +54,41 @@ def test_priority_policy_preempts_over_http(tiny_config: EngineConfig, tmp_path:
                    for s in f.samples}
         assert metrics["specroute_num_preemptions_total"] == 1
         assert requests.get(f"{url}/v1/stats", timeout=30).json()["batching"]["num_preemptions"] == 1
+
+
+def test_hermes_tool_calls_over_http(tiny_config: EngineConfig, tmp_path: Path) -> None:
+    """A target with its own chat template (a file) and Hermes' tool-call syntax: "required" calls
+    come back parsed from <tool_call> blocks on chat and on /v1/responses, streamed alike; "auto"
+    answers however the model writes, content or calls, streamed alike; the conversation goes on."""
+    import openai
+
+    (tmp_path / "hermes.jinja").write_text(HERMES_TEMPLATE)
+    target = tiny_config.target.model_copy(update={"chat_template": str(tmp_path / "hermes.jinja"),
+                                                   "tool_call_parser": "hermes"})
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+        "additionalProperties": False}}}
+    with serve_tiny_app(tiny_config.model_copy(update={"target": target}), tmp_path, MODEL) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        common = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [weather],
+                  "max_tokens": 120, "temperature": 0, "parallel_tool_calls": False}
+        required = client.chat.completions.create(tool_choice="required", **common).choices[0]
+        [call] = required.message.tool_calls
+        assert required.finish_reason == "tool_calls" and call.function.name == "get_weather"
+        assert set(json.loads(call.function.arguments)) == {"city"} and required.message.content is None
+        chunks = list(client.chat.completions.create(tool_choice="required", stream=True, **common))
+        [streamed] = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls
+                      for t in c.choices[0].delta.tool_calls]
+        assert streamed.function.arguments == call.function.arguments
+        response = client.responses.create(model=MODEL, input="Weather in Paris?", tool_choice="required",
+                                           tools=[{"type": "function", **weather["function"]}], max_output_tokens=120,
+                                           temperature=0, parallel_tool_calls=False)
+        assert [(i.type, i.arguments) for i in response.output] == [("function_call", call.function.arguments)]
+        auto = client.chat.completions.create(**common).choices[0]
+        chunks = list(client.chat.completions.create(stream=True, **common))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (auto.message.content or "")
+        assert auto.message.content or auto.message.tool_calls
+        turn = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, tools=[weather], messages=[
+            *common["messages"], {"role": "assistant", "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 C"}])
+        assert turn.choices[0].finish_reason in ("stop", "length", "tool_calls")

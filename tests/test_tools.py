@@ -1,18 +1,25 @@
 """Tool calls for any model (router/tools.py, workers/chat.py): "auto" as calls or an answer under
 one grammar, the answer's text streaming as it is written, and tool definitions in the system
-message where the chat template does not render them."""
+message where the chat template does not render them; Hermes' <tool_call> blocks for targets whose
+parser is hermes, and a chat template from the config."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
+from helpers import HERMES_TEMPLATE
 
 from router.schemas import ChatMessage
-from router.tools import Answer, Call, ToolChoice, json_string_prefix
+from router.tools import NO_PARAMETERS, Answer, Call, ToolChoice, json_string_prefix
 from workers.chat import TOOLS_INTRO, calls_text, with_tools_described
+from workers.config import EngineConfig
 from workers.engine import SpecEngine
+from workers.sampling import SamplingParams
 from workers.structured import format_error
+from workers.target import ModelLoadError, read_chat_template
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
            "additionalProperties": False}
@@ -86,3 +93,85 @@ def test_a_template_without_tools_gets_them_in_its_system_message(tiny_engine: S
     plain, with_tools = tiny_engine.encode(messages), tiny_engine.encode(messages, tools=tools)
     assert with_tools != plain and with_tools == tiny_engine.encode(with_tools_described(messages, tools))
     assert "get_weather" in tiny_engine.tokenizer.decode(with_tools)
+
+
+# -- Hermes' <tool_call> blocks (target.tool_call_parser: hermes) -------------------------------
+HERMES = ToolChoice({"get_weather": WEATHER, "now": NO_PARAMETERS}, parser="hermes")
+HERMES_AUTO = ToolChoice({"get_weather": WEATHER, "now": NO_PARAMETERS}, auto=True, parser="hermes")
+
+
+def _block(name: str, arguments: dict) -> str:
+    return '<tool_call>\n' + json.dumps({"name": name, "arguments": arguments}) + '\n</tool_call>'
+
+
+def test_hermes_blocks_become_calls_and_the_text_before_them_content() -> None:
+    two = _block("get_weather", {"city": "Paris"}) + "\n" + _block("now", {})
+    assert HERMES_AUTO.answer("Let me check.\n" + two, "stop") == Answer(
+        [Call("get_weather", '{"city": "Paris"}'), Call("now", "{}")], "Let me check.\n", "tool_calls")
+    assert HERMES_AUTO.answer(two, "stop").content is None
+    assert HERMES_AUTO.answer("It is sunny.", "stop") == Answer(None, "It is sunny.", "stop")
+    for broken in ('<tool_call>\n{"name": "get_weather", "argu', _block("fly", {}), "<tool_call>\nnot json\n</tool_call>"):
+        assert HERMES_AUTO.answer("So: " + broken, "length") == Answer(None, "So: " + broken, "length")
+    named = ToolChoice({"get_weather": WEATHER}, name="get_weather", parser="hermes")
+    assert named.answer(_block("get_weather", {"city": "Oslo"}), "stop").finish_reason == "stop"
+    assert HERMES.answer(_block("now", {}), "stop").finish_reason == "tool_calls"
+
+
+def test_hermes_auto_streams_the_text_before_a_block() -> None:
+    assert HERMES_AUTO.streamed_content("It is sun") == "It is sun"
+    assert HERMES_AUTO.streamed_content("Checking <tool_") == "Checking "  # may begin a block: held back
+    assert HERMES_AUTO.streamed_content("Checking <tool_call>\n{") == "Checking "
+    assert HERMES_AUTO.streamed_content("a < b") == "a < b"
+    assert HERMES.streamed_content("<tool_call>") is None  # "required": calls only, whole at the end
+
+
+def test_hermes_formats_hold_the_output_to_blocks_of_the_tools_calls() -> None:
+    assert HERMES_AUTO.output_format is None  # "auto": the model writes freely, as vLLM's hermes parser lets it
+    grammars = [HERMES.output_format, replace(HERMES, parallel=False).output_format,
+                ToolChoice({"get_weather": WEATHER}, name="get_weather", parser="hermes").output_format]
+    assert all(g is not None and g.kind == "grammar" and format_error(g) is None for g in grammars)
+    assert '("\\n" call)*' in grammars[0].spec and "call)*" not in grammars[1].spec + grammars[2].spec
+
+
+@pytest.mark.parametrize("drafter", ["none", "self", "ngram"])
+def test_hermes_calls_decoded_under_their_grammar_parse_and_stay_lossless(tiny_engine: SpecEngine,
+                                                                          drafter: str) -> None:
+    short = {**WEATHER, "properties": {"city": {"type": "string", "maxLength": 8}}}  # the random model rambles
+    fmt = ToolChoice({"get_weather": short}, parallel=False, parser="hermes").output_format
+    prompt = tiny_engine.encode([{"role": "user", "content": "Weather in Paris?"}])
+    params = SamplingParams(max_tokens=120, output_format=fmt)
+    plain = tiny_engine.generate(prompt, params)
+    out = tiny_engine.generate(prompt, params, drafter, 3)
+    assert out.token_ids == plain.token_ids and out.finish_reason == "stop"
+    answer = HERMES.answer(out.text, out.finish_reason)
+    assert answer.calls is not None and len(answer.calls) == 1 and answer.calls[0].name == "get_weather"
+    assert set(json.loads(answer.calls[0].arguments)) == {"city"} and out.text.startswith("<tool_call>\n{")
+
+
+def test_hermes_calls_are_written_back_as_blocks_and_described_where_the_template_ignores_tools() -> None:
+    message = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}],
+    }).as_template_message()
+    assert calls_text(message["tool_calls"], "hermes") == _block("get_weather", {"city": "Oslo"})
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    [system, assistant] = with_tools_described([message], tools, "hermes")
+    assert "<tool_call>" in system["content"] and assistant["content"] == _block("get_weather", {"city": "Oslo"})
+
+
+def test_a_configured_chat_template_renders_the_tools(tiny_config: EngineConfig, tmp_path: Path) -> None:
+    """`target.chat_template` (a file, or the text) replaces the tokenizer's: this one renders
+    tools and calls itself, so nothing is added to the system message."""
+    (tmp_path / "hermes.jinja").write_text(HERMES_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                {"role": "tool", "content": "18 C"}]
+    for template in (str(tmp_path / "hermes.jinja"), HERMES_TEMPLATE):
+        target = tiny_config.target.model_copy(update={"chat_template": template, "tool_call_parser": "hermes"})
+        engine = SpecEngine.from_config(tiny_config.model_copy(update={"target": target, "drafters": []}))
+        text = engine.tokenizer.decode(engine.encode(messages, tools=tools))
+        assert '<tools>\n{"type": "function"' in text and TOOLS_INTRO not in text
+        assert _block("get_weather", {"city": "Paris"}) in text and "<tool_response>\n18 C" in text
+    with pytest.raises(ModelLoadError, match="neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))

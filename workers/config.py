@@ -76,7 +76,17 @@ class ModelConfig(_Strict):
         return shipped if shipped.exists() else None
 
 
+ToolCallParser = Literal["generic", "hermes"]
+
+
 class TargetConfig(ModelConfig):
+    chat_template: str | None = Field(
+        None, description="a Jinja chat template (a file, or the template's text) in place of the tokenizer's own, "
+                          "as vLLM's --chat-template")
+    tool_call_parser: ToolCallParser = Field(
+        "generic", description="how the model writes tool calls (router/tools.py): generic = JSON any model can be "
+                               "held to; hermes = <tool_call>{...}</tool_call> blocks (Qwen 2.5 and 3, Hermes, "
+                               "SmolLM3), as vLLM's --tool-call-parser hermes")
     max_model_len: int | None = Field(
         None, gt=0, description="context limit: prompt + generated tokens (default: the model's positions, "
                                 "bounded by scheduler.kv_cache_gib)")

@@ -621,7 +621,7 @@ class SpecEngine:
 
             ids = render(messages, tools)
             if tools and ids == render(messages, None):
-                ids = render(with_tools_described(messages, tools), None)
+                ids = render(with_tools_described(messages, tools, self.config.target.tool_call_parser), None)
             return ids
         return tok.encode(prompt)
 

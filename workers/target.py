@@ -26,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from policies.paths import resolve_repo_path
 from workers.config import ModelConfig, TargetConfig, default_cache_dir
 from workers.models import bf16, hf, llama, quant
 from workers.models.base import CausalLM
@@ -212,9 +213,25 @@ def load_hf(
     return model.to(device).eval(), tokenizer, source
 
 
+def read_chat_template(value: str) -> str:
+    """`target.chat_template`: a file's text (a path, absolute or from the repository), or the
+    template itself (what holds Jinja's `{{` or `{%`)."""
+    try:
+        path = resolve_repo_path(value)
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # a template's text is no file name (too long, say)
+        pass
+    if "{{" in value or "{%" in value:
+        return value
+    raise ModelLoadError(f"target.chat_template: {value!r} is neither a file nor a Jinja template")
+
+
 def load_model(cfg: ModelConfig, embeddings: torch.Tensor | None = None) -> LoadedModel:
     """`embeddings`: as for load_hf. A draft vocabulary in the directory applies on the fast backend."""
     hf_model, tokenizer, source = load_hf(cfg, embeddings)
+    if isinstance(cfg, TargetConfig) and cfg.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(cfg.chat_template)
     eos = eos_token_ids(hf_model, tokenizer)
     use_fast = cfg.backend == "fast" or (cfg.backend == "auto" and llama.supports(hf_model.config))
     if use_fast and not llama.supports(hf_model.config):
