@@ -445,6 +445,14 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
+def _continues_without_generation_prompt(value: bool, info: ValidationInfo) -> bool:
+    """`continue_final_message` leaves the last message open: the template must not open another."""
+    if value and info.data.get("add_generation_prompt"):
+        raise ValueError("continues the last message, so the template must not open another: "
+                         "send add_generation_prompt: false")
+    return value
+
+
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -557,10 +565,7 @@ class ChatCompletionRequest(GenerationRequestBase):
     @field_validator("continue_final_message")
     @classmethod
     def _continue_final_message(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("add_generation_prompt"):
-            raise ValueError("continues the last message, so the template must not open another: "
-                             "send add_generation_prompt: false")
-        return value
+        return _continues_without_generation_prompt(value, info)
 
     @field_validator("echo")
     @classmethod
@@ -634,10 +639,7 @@ class TokenizeRequest(BaseModel):
     @field_validator("continue_final_message")
     @classmethod
     def _continue_final_message(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("add_generation_prompt"):
-            raise ValueError("continues the last message, so the template must not open another: "
-                             "send add_generation_prompt: false")
-        return value
+        return _continues_without_generation_prompt(value, info)
 
 
 class DetokenizeRequest(BaseModel):

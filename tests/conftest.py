@@ -89,6 +89,25 @@ def tiny_engine(tiny_config: EngineConfig):  # -> SpecEngine
     return SpecEngine.from_config(tiny_config)
 
 
+@pytest.fixture(scope="session")
+def self_drafting_engine(tiny_llama_dir: Path):  # -> SpecEngine
+    """The tiny target with prompt lookup and the target itself as a chain drafter ("self") and as
+    a tree of its two likeliest tokens ("self_tree"): the drafters of the tests of what a step does
+    to the target's rows (penalties, bans), which draft without it and so are partly rejected."""
+    from workers.config import ModelDrafterConfig, TreeConfig
+    from workers.engine import SpecEngine
+
+    target = ModelConfig(model=str(tiny_llama_dir))
+    return SpecEngine.from_config(EngineConfig.model_validate({
+        "target": {"model": str(tiny_llama_dir), "max_model_len": 512},
+        "drafters": [
+            NgramDrafterConfig().model_dump(),
+            ModelDrafterConfig(name="self", model=target).model_dump(),
+            ModelDrafterConfig(name="self_tree", model=target, tree=TreeConfig(topk=2, nodes=6)).model_dump(),
+        ],
+    }))
+
+
 @pytest.fixture(scope="session", params=["int4", "bfloat16"])
 def row_invariant_engine(request: pytest.FixtureRequest):  # -> SpecEngine
     """The shipped target on weights that score a row bit for bit alike in any batch: int4 (prompt

@@ -5,15 +5,13 @@ decoding's with the same settings and sampled output follows the masked distribu
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from helpers import TWO_TOKEN_PARAMS, TwoTokenCase, assert_follows_joint
 
 from workers.bans import Bans, ban
 from workers.batch import BatchEngine
-from workers.config import PLAIN, EngineConfig, ModelConfig, ModelDrafterConfig, NgramDrafterConfig, TreeConfig
+from workers.config import PLAIN
 from workers.drafters.base import Draft
 from workers.engine import SpecEngine, StepOrder
 from workers.result import RequestError
@@ -26,18 +24,8 @@ NO_DRAFT = torch.zeros(0, dtype=torch.long)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama_dir: Path) -> SpecEngine:
-    """The tiny target; the target itself as a chain drafter and as a tree of its two likeliest
-    tokens (drafting without the bans: a masked step rejects some of what they propose)."""
-    target = ModelConfig(model=str(tiny_llama_dir))
-    return SpecEngine.from_config(EngineConfig.model_validate({
-        "target": {"model": str(tiny_llama_dir), "max_model_len": 512},
-        "drafters": [
-            NgramDrafterConfig().model_dump(),
-            ModelDrafterConfig(name="self", model=target).model_dump(),
-            ModelDrafterConfig(name="self_tree", model=target, tree=TreeConfig(topk=2, nodes=6)).model_dump(),
-        ],
-    }))
+def engine(self_drafting_engine: SpecEngine) -> SpecEngine:
+    return self_drafting_engine
 
 
 @pytest.fixture(scope="module")

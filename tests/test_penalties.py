@@ -4,14 +4,12 @@ sampled output follows the penalised distribution."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from helpers import TWO_TOKEN_PARAMS, TwoTokenCase, assert_follows_joint
 
 from workers.batch import BatchEngine
-from workers.config import PLAIN, EngineConfig, ModelConfig, ModelDrafterConfig, NgramDrafterConfig, TreeConfig
+from workers.config import PLAIN
 from workers.drafters.base import Draft
 from workers.engine import SpecEngine, StepOrder
 from workers.penalties import path_counts, penalize
@@ -27,18 +25,8 @@ GREEDY_PENALTIES = {"presence_penalty": 2.0, "frequency_penalty": 2.0, "logit_bi
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama_dir: Path) -> SpecEngine:
-    """The tiny target; the target itself as a chain drafter and as a tree of its two likeliest
-    tokens (drafting without penalties: a penalised step rejects some of what they propose)."""
-    target = ModelConfig(model=str(tiny_llama_dir))
-    return SpecEngine.from_config(EngineConfig.model_validate({
-        "target": {"model": str(tiny_llama_dir), "max_model_len": 512},
-        "drafters": [
-            NgramDrafterConfig().model_dump(),
-            ModelDrafterConfig(name="self", model=target).model_dump(),
-            ModelDrafterConfig(name="self_tree", model=target, tree=TreeConfig(topk=2, nodes=6)).model_dump(),
-        ],
-    }))
+def engine(self_drafting_engine: SpecEngine) -> SpecEngine:
+    return self_drafting_engine
 
 
 def test_path_counts_give_each_row_its_own_history() -> None:
