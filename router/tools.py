@@ -129,7 +129,8 @@ class ToolChoice:
         if not calls:  # a block max_tokens cut short, or not a call: the text as it is
             return Answer(None, text, finish_reason)
         finish = "stop" if self.name is not None else "tool_calls"
-        return Answer(calls, text[:start] or None, finish if finish_reason == "stop" else finish_reason)
+        return Answer(calls if self.parallel else calls[:1], text[:start] or None,
+                      finish if finish_reason == "stop" else finish_reason)
 
     def streamed_content(self, text: str) -> str | None:
         """What of an output so far may stream as the message's content: under "auto", while it

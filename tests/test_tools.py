@@ -109,6 +109,7 @@ def test_hermes_blocks_become_calls_and_the_text_before_them_content() -> None:
     assert HERMES_AUTO.answer("Let me check.\n" + two, "stop") == Answer(
         [Call("get_weather", '{"city": "Paris"}'), Call("now", "{}")], "Let me check.\n", "tool_calls")
     assert HERMES_AUTO.answer(two, "stop").content is None
+    assert replace(HERMES_AUTO, parallel=False).answer(two, "stop").calls == [Call("get_weather", '{"city": "Paris"}')]
     assert HERMES_AUTO.answer("It is sunny.", "stop") == Answer(None, "It is sunny.", "stop")
     for broken in ('<tool_call>\n{"name": "get_weather", "argu', _block("fly", {}), "<tool_call>\nnot json\n</tool_call>"):
         assert HERMES_AUTO.answer("So: " + broken, "length") == Answer(None, "So: " + broken, "length")
