@@ -642,6 +642,8 @@ class OpenAIIngress:
         seed + i, so choices differ yet repeat."""
         self._check_model(body.model)
         max_len = await self._max_model_len()
+        if body.num_max_tokens == 0 and not body.echoes:
+            raise APIError(400, "max_tokens: 0 generates nothing; it scores the prompt with echo: true", "max_tokens")
         if body.num_max_tokens is not None and body.num_max_tokens >= max_len:
             field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
             raise APIError(400, f"{field}: {body.num_max_tokens} leaves no room for the prompt in this model's "

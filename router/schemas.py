@@ -11,7 +11,8 @@ the bans of `allowed_token_ids`, `min_tokens` and `bad_words` (workers/bans.py).
 `prediction` (OpenAI's Predicted Outputs) is drafted from, never emitted as is
 (workers/drafters/prediction.py); `usage.completion_tokens_details` counts its tokens. A
 completion's `echo` repeats the prompt ahead of it, with `logprobs` the prompt tokens' too (read
-off the prefill's rows; the first token has none): lm-evaluation-harness's loglikelihood requests.
+off the prefill's rows; the first token has none; `max_tokens: 0` with it: the prompt alone):
+lm-evaluation-harness's loglikelihood requests.
 `response_format` (OpenAI's `json_object` / `json_schema`, on both endpoints) and vLLM's
 `structured_outputs` (`json`, `regex`, `choice`, `grammar`) hold the output to a format: every
 verified row is masked by the grammar (workers/structured.py), so speculation stays lossless.
@@ -351,6 +352,8 @@ class GenerationRequestBase(BaseModel):
 
 
 class CompletionRequest(GenerationRequestBase):
+    max_tokens: int | None = Field(None, ge=0, description="tokens to generate (default: the engine's); 0, with "
+                                                          "echo: the prompt scored, nothing generated")
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="the prompt, used as is (no chat template): a text, token ids, or a list of either "
                     "(each prompt gets `n` choices, indexed prompt by prompt)")

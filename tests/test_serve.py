@@ -231,6 +231,18 @@ def test_echo_scores_the_prompt(base_url: str, client) -> None:
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(t) in (1, 2) for t in lp.top_logprobs[1:])
     assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(n + 1)]
+    # max_tokens 0: the prompt scored, nothing generated (what older lm-evaluation-harness sends)
+    only = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, logprobs=1, echo=True)
+    assert only.choices[0].text == prompt and only.choices[0].finish_reason == "length"
+    assert (only.usage.prompt_tokens, only.usage.completion_tokens) == (n, 0)
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert only.choices[0].logprobs.tokens == lp.tokens[:n]
+    with requests.post(f"{base_url}/v1/completions", stream=True, timeout=60, json={
+            **common, "max_tokens": 0, "echo": True, "logprobs": 1, "stream": True}) as r:
+        events = [e for e in _sse(r) if e != "[DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in events) == prompt
+    assert [x for e in events if e["choices"][0]["logprobs"] for x in e["choices"][0]["logprobs"]["token_logprobs"]
+            ] == lp.token_logprobs[:n]
 
     body = {**common, "max_tokens": 4, "logprobs": 2, "echo": True, "speculation": {"drafter": "self", "draft_len": 2}}
     whole = requests.post(f"{base_url}/v1/completions", json=body, timeout=60).json()
@@ -774,6 +786,8 @@ LONG_PROMPT = "lorem ipsum " * 600  # > 1024 tokens, the tiny config's max_model
     ("completions", {"prompt": LONG_PROMPT}, "prompt"),
     ("completions", {"prompt": LONG_PROMPT, "stream": True}, "prompt"),
     ("completions", {"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # without echo: nothing to answer
+    ("completions", {"prompt": "hi", "max_tokens": -1, "echo": True}, "max_tokens"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {}, "prompt"),
     ("completions", {"prompt": "hi", "stop": 3}, "stop"),

@@ -48,7 +48,7 @@ class GenerateRequest:
 
     prompt: str | list[dict[str, Any]]  # raw text (no chat template) or chat messages (as templates read them)
     prompt_token_ids: tuple[int, ...] | None = None  # a prompt given as token ids (then `prompt` is unused)
-    max_tokens: int | None = None  # None: SamplingParams' default
+    max_tokens: int | None = None  # None: SamplingParams' default; 0 (with echo): the prompt scored, nothing generated
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -430,7 +430,8 @@ class TargetWorker:
             raise RequestError(f"cannot tokenize the prediction: {e}", "prediction") from None
         bad_words = tuple(dict.fromkeys(ids for word in r.bad_words for ids in _bad_word_ids(engine, word) if ids))
         try:
-            defaulted = {"max_tokens": r.max_tokens, "presence_penalty": r.presence_penalty,
+            # max_tokens 0 scores the prompt: one token is run for it, and dropped (`_prompt_chunk`)
+            defaulted = {"max_tokens": 1 if r.max_tokens == 0 else r.max_tokens, "presence_penalty": r.presence_penalty,
                          "frequency_penalty": r.frequency_penalty, "repetition_penalty": r.repetition_penalty}
             params = self._sampling_mod.SamplingParams(
                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
@@ -473,6 +474,8 @@ class TargetWorker:
     def _chunk(self, slot: _Slot, step: StepStats) -> Chunk:
         routed = slot.gen
         assert routed is not None
+        if slot.request.max_tokens == 0:
+            return self._prompt_chunk(routed, slot.prompt_text)
         gen = routed.gen
         output_ids = gen.output_ids
         new_ids = output_ids[slot.num_sent_ids :]
@@ -497,6 +500,19 @@ class TargetWorker:
         # the chunks carry the logprobs; the stats need not carry them again
         stats = replace(result, steps=[], logprobs=None, prompt_logprobs=None)
         return Chunk(new_ids, head + delta, result.finish_reason, stats, logprobs=logprobs)
+
+    def _prompt_chunk(self, routed: RoutedGeneration, prompt_text: str) -> Chunk:
+        """A request of max_tokens 0 (an echo scoring its prompt, as lm-evaluation-harness asks):
+        the prompt and its logprobs; the one token run to get them (max_tokens 1) is dropped."""
+        gen = routed.gen
+        if not gen.finished:
+            raise RuntimeError("a request of max_tokens 0 runs one step")
+        result = routed.result()
+        routed.close()
+        stats = replace(result, token_ids=[], text="", finish_reason="length", steps=[], logprobs=None,
+                        prompt_logprobs=None)
+        logprobs = None if gen.logprobs is None else list(gen.prompt_logprobs or [])
+        return Chunk([], prompt_text, "length", stats, logprobs=logprobs)
 
     def _drop(self, slot: _Slot) -> None:
         """Take a request out of the batch (cancelled, or failed) and close it."""
