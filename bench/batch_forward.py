@@ -16,11 +16,10 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from bench.prompts import load_prompts
+from bench.prompts import add_source_arguments, load_prompts
 from workers.config import load_engine_config
 from workers.engine import SpecEngine
 from workers.models.base import BatchedLM, SeqInput
@@ -60,8 +59,7 @@ def _time_forward(model: BatchedLM, caches: Sequence[StaticKVCache], drafts: Seq
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", type=Path, default=Path("deploy/serve.cpu.yaml"))
-    ap.add_argument("--prompts", type=Path, default=Path("../shared/data/spec_bench/question.jsonl"))
+    add_source_arguments(ap)
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

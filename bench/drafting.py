@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 
-from bench.prompts import load_prompts
+from bench.prompts import add_source_arguments, load_prompts
 from workers.config import load_engine_config
 from workers.drafters.base import BatchDrafter, DraftRequest
 from workers.engine import SpecEngine
@@ -26,8 +25,7 @@ from workers.sampling import SamplingParams
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", type=Path, default=Path("deploy/serve.cpu.yaml"), help="engine or Serve config YAML")
-    ap.add_argument("--prompts", type=Path, default=Path("../shared/data/spec_bench/question.jsonl"))
+    add_source_arguments(ap)
     ap.add_argument("--batch-sizes", default="1,4,8,16")
     ap.add_argument("--k", type=int, default=3, help="draft tokens per request and step")
     ap.add_argument("--rounds", type=int, default=10)

@@ -17,13 +17,12 @@ import functools
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from bench.concurrency import Request, run_routed
 from bench.methods import TrafficMemories
-from bench.prompts import load_prompts
+from bench.prompts import add_source_arguments, load_prompts
 from bench.runner import bench_router, encode_checked
 from policies.schema import load_policy
 from workers.config import RoutingConfig, load_engine_config
@@ -84,8 +83,7 @@ def report(logs: dict[int, SizeLog]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", type=Path, default=Path("deploy/serve.cpu.yaml"))
-    ap.add_argument("--prompts", type=Path, default=Path("../shared/data/spec_bench/question.jsonl"))
+    add_source_arguments(ap)
     ap.add_argument("--per-category", type=int, default=4)
     ap.add_argument("--heldout-mod", type=int, default=5)
     ap.add_argument("--concurrency", default="4,16", help="client counts, comma-separated")

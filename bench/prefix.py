@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from bench.concurrency import percentile
-from bench.report import save
+from bench.prompts import add_source_arguments
+from bench.report import publish
 from bench.runner import bench_router
 from policies.schema import load_policy
 from workers.batch import BatchEngine
@@ -206,8 +207,7 @@ def report(results: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", type=Path, default=Path("deploy/serve.cpu.yaml"))
-    ap.add_argument("--prompts", type=Path, default=Path("../shared/data/spec_bench/question.jsonl"))
+    add_source_arguments(ap)
     ap.add_argument("--num", type=int, default=16, help="conversations (and system-prompt questions)")
     ap.add_argument("--system-tokens", type=int, default=600)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -235,10 +235,7 @@ def main() -> None:
         for c in (int(x) for x in args.concurrency.split(",")):
             results["runs"][f"{name}@{c}"] = compare(engine, router, methods, name, loads[name], params, c,
                                                      args.rounds)
-    text = report(results)
-    print(text)
-    if args.out is not None:
-        save(args.out, results, text)
+    publish(report(results), results, args.out)
 
 
 if __name__ == "__main__":

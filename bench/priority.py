@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from bench.concurrency import percentile
-from bench.prompts import load_prompts
-from bench.report import save
+from bench.prompts import add_source_arguments, load_prompts
+from bench.report import publish
 from workers.batch import BatchEngine
 from workers.config import load_engine_config
 from workers.engine import Generation, SpecEngine, StepOrder
@@ -138,8 +138,7 @@ def report(results: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", type=Path, default=Path("deploy/serve.cpu.yaml"))
-    ap.add_argument("--prompts", type=Path, default=Path("../shared/data/spec_bench/question.jsonl"))
+    add_source_arguments(ap)
     ap.add_argument("--max-num-seqs", type=int, default=4, help="KV slots (scheduler.max_num_seqs)")
     ap.add_argument("--background", type=int, default=6, help="background clients")
     ap.add_argument("--foreground", type=int, default=12, help="foreground questions")
@@ -164,10 +163,7 @@ def main() -> None:
     results.update({"config": str(args.config), "threads": torch.get_num_threads(),
                     "max_num_seqs": args.max_num_seqs, "background_clients": args.background,
                     "foreground_gap_s": args.foreground_gap})
-    text = report(results)
-    print(text)
-    if args.out is not None:
-        save(args.out, results, text)
+    publish(report(results), results, args.out)
 
 
 if __name__ == "__main__":

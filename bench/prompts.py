@@ -11,6 +11,7 @@ and `response_format` (OpenAI's shape): the format its output must match, for ev
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,16 @@ from pathlib import Path
 from policies.classifier import is_heldout
 from router.schemas import ResponseFormat
 from workers.structured import OutputFormat
+
+SPEC_BENCH = Path("../shared/data/spec_bench/question.jsonl")  # from the repository root
+ENGINE_CONFIG = Path("deploy/serve.cpu.yaml")  # what `make serve` runs
+
+
+def add_source_arguments(ap: argparse.ArgumentParser) -> None:
+    """`--config` (the engine or Serve config a benchmark builds its engine from) and `--prompts`
+    (a question file, Spec-Bench's by default)."""
+    ap.add_argument("--config", type=Path, default=ENGINE_CONFIG, help="engine or Serve config YAML")
+    ap.add_argument("--prompts", type=Path, default=SPEC_BENCH)
 
 
 def _int_or_none(value: int | str) -> int | None:

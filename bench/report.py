@@ -15,6 +15,13 @@ from bench.summary import OVERALL, PLAIN_METHOD
 TABLE_HEADER = "| category | method | speedup | MAT | tok/s | lossless |"
 
 
+def publish(text: str, results: dict[str, Any], out: Path | None) -> None:
+    """A benchmark whose report is one text: printed, and saved under `out` when given."""
+    print(text)
+    if out is not None:
+        save(out, results, text)
+
+
 def save(out: Path, results: dict[str, Any], text: str) -> None:
     """DIR/results.json and DIR/report.md of a benchmark whose report is one text."""
     out.mkdir(parents=True, exist_ok=True)

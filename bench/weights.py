@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.prompts import load_prompts
+from bench.prompts import SPEC_BENCH, load_prompts
 from bench.verify_cost import measure_verify_curve
 from workers.config import EngineConfig, NgramDrafterConfig, TargetConfig
 from workers.engine import GenerationResult, SpecEngine
@@ -45,7 +45,7 @@ def _resident_mib(weights: str, prompt: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=Path, default=Path("../shared/data/spec_bench/question.jsonl"))
+    ap.add_argument("--prompts", type=Path, default=SPEC_BENCH)
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--heldout-mod", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=128)
