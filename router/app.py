@@ -446,7 +446,8 @@ class OpenAIIngress:
         prompt = body.prompt if body.messages is None else [m.as_template_message() for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         request = GenerateRequest(prompt=prompt, tools=tools, generation_prompt=body.add_generation_prompt,
-                                  continue_final_message=body.continue_final_message)
+                                  continue_final_message=body.continue_final_message,
+                                  chat_template_kwargs=body.chat_template_kwargs)
         tokens = await self._on_worker(self.worker.tokenize.remote(request, body.add_special_tokens is not False,
                                                                    body.return_token_strs))
         return TokenizeResponse(count=len(tokens.token_ids), max_model_len=await self._max_model_len(),
@@ -473,7 +474,7 @@ class OpenAIIngress:
             return shaped
 
         def chunk(index: int, text: str, finish: str | None = None, spec: SpeculationInfo | None = None,
-                  logprobs: list[TokenLogprobs] | None = None) -> CompletionChunk:
+                  logprobs: list[TokenLogprobs] | None = None, reasoning: str | None = None) -> CompletionChunk:
             choice = CompletionChoice(index=index, text=text, finish_reason=finish,
                                       logprobs=logprobs_of(index, logprobs))
             return CompletionChunk(id=request_id, created=created, model=self.model_name,
@@ -501,39 +502,50 @@ class OpenAIIngress:
         sent = [""] * body.n  # of an answer to tools ("auto"), the content streamed
 
         def chunk(index: int, text: str, finish: str | None = None, spec: SpeculationInfo | None = None,
-                  role: str | None = None, logprobs: list[TokenLogprobs] | None = None) -> ChatCompletionChunk | None:
-            delta = ChatDelta(role=role, content=text)
+                  role: str | None = None, logprobs: list[TokenLogprobs] | None = None,
+                  reasoning: str | None = None) -> ChatCompletionChunk | None:
+            if reasoning and not body.include_reasoning:
+                if not (text or finish or role or logprobs):
+                    return None
+                reasoning = None
+            reasoning = reasoning or None
+            delta = ChatDelta(role=role, content=text if text or reasoning is None else None, reasoning=reasoning)
             if tool_calls is not None and role is None:
                 held[index] += text
                 if finish is None and text:
                     content = tool_calls.streamed_content(held[index])
-                    if not (new := (content or "")[len(sent[index]):]):
+                    if not (new := (content or "")[len(sent[index]):]) and reasoning is None:
                         return None
                     sent[index] += new
-                    delta = ChatDelta(content=new)
+                    delta = ChatDelta(content=new or None, reasoning=reasoning)
                 if finish is not None:
                     answer = tool_calls.answer(held[index], finish)
                     finish = answer.finish_reason
                     rest = None if answer.content is None else answer.content[len(sent[index]):]
-                    delta = ChatDelta(content=rest, tool_calls=None if answer.calls is None else [
+                    delta = ChatDelta(content=rest, reasoning=reasoning, tool_calls=None if answer.calls is None else [
                         ToolCallDelta(index=i, **_tool_call(c).model_dump()) for i, c in enumerate(answer.calls)])
             choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=None if logprobs is None
                                      else ChatLogprobs.of(logprobs, body.return_tokens_as_token_ids))
             return ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
                                        choices=[choice], speculation=spec)
 
-        def message(text: str, finish: str) -> tuple[AssistantMessage, str]:
+        def message(out: Chunk) -> tuple[AssistantMessage, str]:
+            finish = out.finish_reason or "length"
+            # under a reasoning parser: the thinking apart, and no content where there was only thinking
+            reasoning = (out.reasoning or None) if body.include_reasoning else None
             if tool_calls is None:
-                return AssistantMessage(content=body.echoed + text), finish
-            answer = tool_calls.answer(text, finish)
+                content = body.echoed + out.text
+                return AssistantMessage(content=(content or None) if out.reasoning is not None else content,
+                                        reasoning=reasoning), finish
+            answer = tool_calls.answer(out.text, finish)
             calls = None if answer.calls is None else [_tool_call(c) for c in answer.calls]
-            return AssistantMessage(content=answer.content, tool_calls=calls), answer.finish_reason
+            return AssistantMessage(content=answer.content, reasoning=reasoning, tool_calls=calls), answer.finish_reason
 
         if body.stream:
             return await self._stream(body, [messages], chunk,
                                       lambda index: chunk(index, body.echoed, role="assistant"))
         outs = await self._generate(body, [messages])
-        answers = [message(out.text, out.finish_reason or "length") for out in outs]
+        answers = [message(out) for out in outs]
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name,
             choices=[ChatChoice(index=i, message=msg, finish_reason=finish,
@@ -561,7 +573,7 @@ class OpenAIIngress:
         except APIError as e:  # the worker names the chat request's fields
             raise e.for_param(responses_param) from None
         finish = out.finish_reason or "length"
-        items = output_items(answer_of(out.text, finish, chat.tool_calls), f"msg_{uuid.uuid4().hex}")
+        items = output_items(answer_of(out.text, finish, chat.tool_calls), f"msg_{uuid.uuid4().hex}", out.reasoning)
         return response.finished(items, out.result, finish, _speculation_info(out.result))
 
     # -- observability and control (docs/deploy.md, "Observability") ---------------------------
@@ -663,7 +675,8 @@ class OpenAIIngress:
             prediction=body.prediction.text if body.prediction is not None else None, echo=body.echoes,
             output_format=body.output_format,
             tools=body.template_tools, generation_prompt=body.generation_prompt,
-            continue_final_message=body.continues_last_message, priority=body.priority,
+            continue_final_message=body.continues_last_message, chat_template_kwargs=body.template_kwargs,
+            priority=body.priority,
         )
         seed = body.seed
         return [replace(request, **_prompt_fields(prompt), **({} if seed is None else {"seed": seed + i}))
@@ -732,7 +745,7 @@ class OpenAIIngress:
             for event in events.start():
                 yield event
             async for _, chunk in _interleaved(gens, heads):
-                for event in events.text(chunk.text):
+                for event in [*events.reasoning(chunk.reasoning), *events.text(chunk.text)]:
                     yield event
                 if chunk.finish_reason is not None:
                     for event in events.finish(chunk.finish_reason, chunk.result, _speculation_info(chunk.result)):
@@ -762,9 +775,10 @@ class OpenAIIngress:
                 if chunk.finish_reason is not None:
                     finished[index] = chunk.result
                     yield _sse(make_chunk(index, chunk.text, chunk.finish_reason, _speculation_info(chunk.result),
-                                          logprobs=chunk.logprobs), drop)
-                elif (chunk.text or chunk.logprobs) and (  # a token's logprobs go out before its text may
-                        event := make_chunk(index, chunk.text, logprobs=chunk.logprobs)) is not None:
+                                          logprobs=chunk.logprobs, reasoning=chunk.reasoning), drop)
+                elif (chunk.text or chunk.reasoning or chunk.logprobs) and (  # logprobs go out before text may
+                        event := make_chunk(index, chunk.text, logprobs=chunk.logprobs,
+                                            reasoning=chunk.reasoning)) is not None:
                     yield _sse(event, drop)  # (None: held back, as a tool call is until it is whole)
             if include_usage:
                 usage = _usage([finished[i] for i in sorted(finished)], n)

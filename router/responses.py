@@ -78,6 +78,16 @@ class FunctionCallOutputItem(BaseModel):
     status: str | None = None
 
 
+class ReasoningItem(BaseModel):
+    """An earlier response's reasoning, sent back: accepted, and not shown to the model again
+    (reasoning models' templates leave past thinking out)."""
+
+    model_config = ConfigDict(extra="ignore")  # summary, content, encrypted_content, status
+
+    type: Literal["reasoning"]
+    id: str | None = None
+
+
 def _item_type(value: Any) -> str:
     """A message may leave out its type (OpenAI's easy input message)."""
     return (value.get("type") if isinstance(value, dict) else getattr(value, "type", None)) or "message"
@@ -85,7 +95,7 @@ def _item_type(value: Any) -> str:
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type),
 ]
 
@@ -217,7 +227,7 @@ class ResponsesRequest(BaseModel):
                     last["tool_calls"].append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            else:
+            elif isinstance(item, FunctionCallOutputItem):
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
         return messages
 
@@ -259,7 +269,22 @@ class OutputFunctionCall(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """A reasoning model's thinking (target.reasoning_parser), ahead of its answer."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = []
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(BaseModel):
@@ -335,11 +360,16 @@ def answer_of(text: str, finish_reason: str, tool_calls: ToolChoice | None) -> A
     return Answer(None, text, finish_reason) if tool_calls is None else tool_calls.answer(text, finish_reason)
 
 
-def output_items(answer: Answer, message_id: str) -> list[OutputItem]:
-    """A message with the answer's text (where it has some), then its function calls."""
+def output_items(answer: Answer, message_id: str, reasoning: str | None = None,
+                 reasoning_id: str = "") -> list[OutputItem]:
+    """The reasoning (where there was some), a message with the answer's text (where it has some),
+    then its function calls."""
     items: list[OutputItem] = []
     status = "incomplete" if answer.finish_reason == "length" else "completed"
-    if answer.content is not None and (answer.content or answer.calls is None):
+    if reasoning:
+        items.append(OutputReasoning(id=reasoning_id or f"rs_{uuid.uuid4().hex}",
+                                     content=[ReasoningText(text=reasoning)]))
+    if answer.content or answer.content is not None and answer.calls is None and not reasoning:
         items.append(OutputMessage(id=message_id, status=status, content=[OutputText(text=answer.content)]))
     for call in answer.calls or []:
         items.append(OutputFunctionCall(id=f"fc_{uuid.uuid4().hex}", call_id=f"call_{uuid.uuid4().hex[:24]}",
@@ -348,22 +378,38 @@ def output_items(answer: Answer, message_id: str) -> list[OutputItem]:
 
 
 class ResponseEvents:
-    """A streamed response's events, as SSE text: the caller feeds the chat's text as it comes
-    (`text`), then the end (`finish`). With tools under "auto" an answer's content streams as
-    it is written and calls go out whole at the end, as on chat."""
+    """A streamed response's events, as SSE text: the caller feeds the chat's reasoning and text
+    as they come (`reasoning`, `text`), then the end (`finish`). The reasoning is the first item
+    and ends when the answer starts. With tools under "auto" an answer's content streams as it is
+    written and calls go out whole at the end, as on chat."""
 
     def __init__(self, response: ResponseObject, tool_calls: ToolChoice | None) -> None:
         self.response = response
         self.tool_calls = tool_calls
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self._sequence = 0
         self._held = ""  # the chat's text so far
         self._sent = ""  # of it, the message content streamed
         self._opened = False  # whether the message item has been announced
+        self._thought = ""  # the reasoning streamed
+        self._thinking = False  # whether the reasoning item is open
 
     def start(self) -> list[str]:
         return [self._event("response.created", response=self.response),
                 self._event("response.in_progress", response=self.response)]
+
+    def reasoning(self, delta: str | None) -> list[str]:
+        if not delta:
+            return []
+        events = []
+        if not self._thinking:
+            self._thinking = True
+            empty = OutputReasoning(id=self.reasoning_id, content=[], status="in_progress")
+            events.append(self._event("response.output_item.added", output_index=0, item=empty))
+        self._thought += delta
+        return [*events, self._event("response.reasoning_text.delta", item_id=self.reasoning_id, output_index=0,
+                                     content_index=0, delta=delta)]
 
     def text(self, delta: str) -> list[str]:
         self._held += delta
@@ -372,16 +418,19 @@ class ResponseEvents:
         if not new:
             return []
         self._sent += new
-        return [*self._open(), self._event("response.output_text.delta", item_id=self.message_id, output_index=0,
-                                           content_index=0, delta=new, logprobs=[])]
+        return [*self._open(), self._event("response.output_text.delta", item_id=self.message_id,
+                                           output_index=self._message_index, content_index=0, delta=new,
+                                           logprobs=[])]
 
     def finish(self, finish_reason: str, result: GenerationResult, speculation: SpeculationInfo) -> list[str]:
         answer = answer_of(self._held, finish_reason, self.tool_calls)
         if self._opened and answer.content is None:  # streamed as an answer, cut short: what was sent
             answer = Answer(answer.calls, self._sent, answer.finish_reason)
-        items = output_items(answer, self.message_id)
-        events: list[str] = []
+        items = output_items(answer, self.message_id, self._thought, self.reasoning_id)
+        events = self._end_reasoning()
         for index, item in enumerate(items):
+            if isinstance(item, OutputReasoning):  # streamed, and ended above
+                continue
             if isinstance(item, OutputMessage):
                 events += self._open()
                 text = item.content[0].text
@@ -411,14 +460,30 @@ class ResponseEvents:
     def error(self, code: str | None, message: str, param: str | None) -> str:
         return self._event("error", code=code, message=message, param=param)
 
+    @property
+    def _message_index(self) -> int:
+        """The message's place in the output: after the reasoning, where there was some."""
+        return 1 if self._thought else 0
+
+    def _end_reasoning(self) -> list[str]:
+        """The reasoning item's closing events, once the answer starts (or the output ends)."""
+        if not self._thinking:
+            return []
+        self._thinking = False
+        item = OutputReasoning(id=self.reasoning_id, content=[ReasoningText(text=self._thought)])
+        return [self._event("response.reasoning_text.done", item_id=self.reasoning_id, output_index=0,
+                            content_index=0, text=self._thought),
+                self._event("response.output_item.done", output_index=0, item=item)]
+
     def _open(self) -> list[str]:
         """The message item's opening events, the first time its text streams."""
         if self._opened:
             return []
         self._opened = True
         empty = OutputMessage(id=self.message_id, status="in_progress", content=[])
-        return [self._event("response.output_item.added", output_index=0, item=empty),
-                self._event("response.content_part.added", item_id=self.message_id, output_index=0,
+        index = self._message_index
+        return [*self._end_reasoning(), self._event("response.output_item.added", output_index=index, item=empty),
+                self._event("response.content_part.added", item_id=self.message_id, output_index=index,
                             content_index=0, part=OutputText(text=""))]
 
     def _event(self, kind: str, **fields: Any) -> str:

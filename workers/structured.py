@@ -26,6 +26,8 @@ import llguidance
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+from workers.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningStart
+
 FormatKind = Literal["json", "regex", "choice", "grammar"]
 ANY_JSON_OBJECT = '{"type": "object"}'  # OpenAI's `json_object`
 # JSON written as json.dumps writes it: a model writes what it has read, and free whitespace lets a
@@ -37,10 +39,13 @@ MATCHER_CACHE = 64  # compiled formats kept per engine (a matcher per format, co
 @dataclass(frozen=True)
 class OutputFormat:
     """What a request's output must match. `spec`: a JSON schema as JSON text (kind "json"), a
-    regex, a JSON list of strings (kind "choice") or a Lark grammar (llguidance's dialect)."""
+    regex, a JSON list of strings (kind "choice") or a Lark grammar (llguidance's dialect).
+    `reasoning`: the format holds the answer after a reasoning model's thinking (workers/reasoning.py),
+    which runs free up to its closing tag; None: the whole output."""
 
     kind: FormatKind
     spec: str
+    reasoning: ReasoningStart | None = None
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | None = None) -> OutputFormat:
@@ -53,6 +58,19 @@ class OutputFormat:
 
     def grammar(self) -> str:
         """The format as an llguidance grammar."""
+        answer = self._answer_grammar()
+        if self.reasoning is None:
+            return answer
+        # the answer's grammar as a named subgrammar, after thinking that ends at its first closing tag
+        grammars = json.loads(answer)["grammars"] if answer.startswith("{") else [{"lark_grammar": answer}]
+        think = "reasoning SPACE" if self.reasoning == "open" else f"({json.dumps(THINK_OPEN)} reasoning SPACE)?"
+        top = (f"start: {think} answer\n"
+               f"reasoning[lazy]: THOUGHT\nTHOUGHT: /(?s:.*)/ {json.dumps(THINK_CLOSE)}\n"
+               "SPACE: /[ \\t\\n]*/\n"
+               "answer: @answer\n")
+        return json.dumps({"grammars": [{"lark_grammar": top}, {**grammars[0], "name": "answer"}, *grammars[1:]]})
+
+    def _answer_grammar(self) -> str:
         if self.kind == "json":
             return llguidance.LLMatcher.grammar_from_json_schema(self.spec, defaults=JSON_STYLE)
         if self.kind == "regex":

@@ -1,0 +1,183 @@
+"""Reasoning models (target.reasoning_parser): the thinking answered apart from the answer, split
+alike however the output streams; where the thinking starts read from the rendered prompt;
+response formats holding the answer after it, losslessly under speculation; and over HTTP, chat
+and /v1/responses with a template that opens the thinking unless `chat_template_kwargs` turn it off."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import jsonschema
+import pytest
+import requests
+from helpers import serve_tiny_app
+
+from workers.config import EngineConfig
+from workers.reasoning import Parts, ReasoningSplit, reasoning_start
+from workers.sampling import SamplingParams
+from workers.structured import OutputFormat
+
+MODEL = "tiny-thinker"
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+# Qwen3's way, with DeepSeek-R1's default: the prompt opens the thinking, or with enable_thinking
+# false holds an empty one
+THINKING_TEMPLATE = """\
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content or '' }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% else %}<think>
+{% endif %}{% endif %}"""
+
+
+# -- the split ------------------------------------------------------------------------------------
+def split_whole(start: str, text: str, cuts: list[int]) -> tuple[str, str]:
+    """`text` fed in pieces cut at `cuts`: the reasoning and the answer."""
+    split = ReasoningSplit(start)  # type: ignore[arg-type]
+    bounds = [0, *cuts, len(text)]
+    parts = [split.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [split.finish()]
+    return "".join(p.reasoning for p in parts), "".join(p.content for p in parts)
+
+
+@pytest.mark.parametrize(("start", "text", "reasoning", "content"), [
+    ("open", "Two and two.\n</think>\n\nIt is 4.", "Two and two.\n", "It is 4."),
+    ("closed", "<think>\nhm</think>Hi <think>", "hm", "Hi <think>"),
+    ("closed", "  \n<think>a</think></think>b", "a", "</think>b"),  # the first closing tag ends it
+    ("closed", "Hello <think> there", "", "Hello <think> there"),
+    ("closed", "<thi", "", "<thi"),  # an opening tag cut short by the end: text
+    ("open", "never closed </thi", "never closed </thi", ""),  # max_tokens: reasoning only
+    ("open", "</think>", "", ""),
+    ("closed", "", "", ""),
+])
+def test_the_split_is_the_same_however_the_text_is_cut(start: str, text: str, reasoning: str, content: str) -> None:
+    assert split_whole(start, text, []) == (reasoning, content)
+    for cut in range(len(text) + 1):
+        assert split_whole(start, text, [cut]) == (reasoning, content), cut
+    assert split_whole(start, text, list(range(1, len(text)))) == (reasoning, content)  # a character a delta
+
+
+def test_the_split_holds_back_only_what_may_become_a_tag() -> None:
+    split = ReasoningSplit("open")
+    assert split.feed("I see </th") == Parts(reasoning="I see ")
+    assert split.feed("at") == Parts(reasoning="</that")  # not the tag after all
+    assert split.feed("</think>\n") == Parts()  # blanks may lead the answer: dropped, not held
+    assert split.feed("Yes") == Parts(content="Yes")
+    assert split.finish() == Parts()
+
+
+@pytest.mark.parametrize(("tail", "start"), [
+    ("<|im_start|>assistant\n<think>\n", "open"),  # DeepSeek-R1's template
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "closed"),  # Qwen3's enable_thinking false
+    ("<|im_start|>assistant\n", "closed"),  # Qwen3's thinking: the model opens it
+    ("<|im_start|>assistant\n<think>\nSo</think>The answer", "closed"),  # a continued message, past thinking
+])
+def test_where_the_output_starts_is_read_from_the_prompt(tail: str, start: str) -> None:
+    assert reasoning_start(tail) == start
+
+
+# -- formats after the thinking ---------------------------------------------------------------
+def accepts(engine, fmt: OutputFormat, text: str) -> bool:
+    """Whether `text` (tokenized as the model would write it) is a whole output of `fmt`."""
+    guide = engine.grammars.guide(fmt, set(engine.target.model.info.eos_token_ids))
+    ids = engine.encode_text(text)
+    if guide.valid_prefix(ids) < len(ids):
+        return False
+    for t in ids:
+        guide.advance(t)
+    return guide.matcher.is_accepting()
+
+
+@pytest.mark.parametrize("fmt", [OutputFormat.json_schema(SCHEMA), OutputFormat("regex", "[0-9]+"),
+                                 OutputFormat.choice(["yes", "no"]),
+                                 OutputFormat("grammar", 'start: "n=" num\nnum: %json {"type": "integer"}')],
+                         ids=["schema", "regex", "choice", "grammar"])
+def test_a_format_holds_the_answer_after_the_thinking(self_drafting_engine, fmt: OutputFormat) -> None:
+    answer = {"json": '{"n": 7}', "regex": "42", "choice": "no", "grammar": "n=3"}[fmt.kind]
+    opened, closed = (replace(fmt, reasoning=s) for s in ("open", "closed"))
+    assert accepts(self_drafting_engine, fmt, answer)
+    assert accepts(self_drafting_engine, opened, f"Any {{text}} <b>\n</think>\n\n{answer}")
+    assert not accepts(self_drafting_engine, opened, answer)  # still thinking: not a whole output
+    assert not accepts(self_drafting_engine, opened, f"x</think>{answer}</think>{answer}")  # the first tag ends it
+    assert not accepts(self_drafting_engine, opened, "x</think>nonsense")
+    assert accepts(self_drafting_engine, closed, answer)
+    assert accepts(self_drafting_engine, closed, f"<think>\nhm</think>\n{answer}")
+    assert not accepts(self_drafting_engine, closed, f"hm</think>{answer}")  # thinking opens with its tag
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self", "self_tree"])
+@pytest.mark.parametrize("start", ["open", "closed"])
+def test_guided_output_after_thinking_is_guided_plain_output(self_drafting_engine, drafter: str, start: str) -> None:
+    """Free thinking then a schema (the tiny model never closes its thinking: all of it free) or
+    the schema at once (it opens none): either way the drafters change no token."""
+    engine = self_drafting_engine
+    fmt = replace(OutputFormat.json_schema(SCHEMA), reasoning=start)
+    params = SamplingParams(max_tokens=24, output_format=fmt)
+    prompt = engine.encode("Count to three, then answer as JSON.")
+    plain = engine.generate(prompt, params)
+    assert engine.generate(prompt, params, drafter, 4).token_ids == plain.token_ids
+    if start == "closed" and not plain.text.startswith("<think>"):
+        jsonschema.validate(json.loads(plain.text), SCHEMA)
+
+
+# -- over HTTP ------------------------------------------------------------------------------------
+def test_reasoning_over_http(tiny_config: EngineConfig, tmp_path: Path) -> None:
+    """The thinking the prompt opened comes back as `reasoning` (the tiny model never closes it, so
+    there is no content), streamed alike, on chat and /v1/responses; `enable_thinking: false`
+    closes it in the prompt, so the whole output is the answer; a format holds that answer."""
+    import openai
+
+    (tmp_path / "thinking.jinja").write_text(THINKING_TEMPLATE)
+    target = tiny_config.target.model_copy(update={"chat_template": str(tmp_path / "thinking.jinja"),
+                                                   "reasoning_parser": "deepseek_r1"})
+    with serve_tiny_app(tiny_config.model_copy(update={"target": target}), tmp_path, MODEL) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        common = {"model": MODEL, "messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 16,
+                  "temperature": 0}
+        thought = client.chat.completions.create(**common).choices[0]
+        reasoning = thought.message.model_extra["reasoning"]
+        assert reasoning and thought.message.content is None and thought.finish_reason == "length"
+        chunks = list(client.chat.completions.create(stream=True, **common))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == reasoning
+        assert not any(d.content for d in deltas)
+
+        off = {"chat_template_kwargs": {"enable_thinking": False}}
+        answer = client.chat.completions.create(extra_body=off, **common).choices[0]
+        assert "reasoning" not in answer.message.model_extra and answer.message.content
+        assert answer.message.content != reasoning  # another prompt: another output
+        hidden = client.chat.completions.create(extra_body={"include_reasoning": False}, **common).choices[0]
+        assert "reasoning" not in hidden.message.model_extra and hidden.message.content is None
+
+        schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
+        guided = client.chat.completions.create(extra_body=off, response_format=schema, **{
+            **common, "max_tokens": 40}).choices[0]
+        assert guided.finish_reason == "stop"
+        jsonschema.validate(json.loads(guided.message.content), SCHEMA)
+
+        response = client.responses.create(model=MODEL, input="What is 2 + 2?", max_output_tokens=16, temperature=0)
+        [item] = response.output
+        assert item.type == "reasoning" and item.content[0].text == reasoning
+        events = list(client.responses.create(model=MODEL, input="What is 2 + 2?", max_output_tokens=16,
+                                              temperature=0, stream=True))
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
+        assert [e.type for e in events if e.type.startswith("response.output_item")] == [
+            "response.output_item.added", "response.output_item.done"]
+        assert events[-1].response.output[0].content[0].text == reasoning
+
+        # an assistant's earlier reasoning may be sent back; template variables are the template's
+        turn = {**common, "messages": [*common["messages"], {"role": "assistant", "content": "4",
+                                                             "reasoning": reasoning},
+                                       {"role": "user", "content": "And 3 + 3?"}]}
+        assert requests.post(f"{url}/v1/chat/completions", json=turn, timeout=60).status_code == 200
+        tokens = [requests.post(f"{url}/tokenize", json={"messages": common["messages"], **extra},
+                                timeout=60).json()["count"] for extra in ({}, off)]
+        assert tokens[1] > tokens[0]  # the empty thinking block
+        bad = requests.post(f"{url}/v1/chat/completions", timeout=60,
+                            json={**common, "chat_template_kwargs": {"tools": []}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
