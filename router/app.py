@@ -350,10 +350,11 @@ def _usage(results: list[GenerationResult], n: int) -> Usage:
     prompt = sum(r.num_prompt_tokens for r in results[::n])
     completion = sum(r.num_completion_tokens for r in results)
     predicted = [r.prediction for r in results if r.prediction is not None]
+    reasoning = sum(r.num_reasoning_tokens for r in results)
     details = CompletionTokensDetails(
         accepted_prediction_tokens=sum(p.accepted for p in predicted),
-        rejected_prediction_tokens=sum(p.rejected for p in predicted),
-    ) if predicted else None
+        rejected_prediction_tokens=sum(p.rejected for p in predicted), reasoning_tokens=reasoning,
+    ) if predicted or reasoning else None
     cached = PromptTokensDetails(cached_tokens=sum(r.num_cached_tokens for r in results[::n]))
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=cached, completion_tokens_details=details)

@@ -347,6 +347,7 @@ class ResponseObject(BaseModel):
             input_tokens=result.num_prompt_tokens,
             input_tokens_details=InputTokensDetails(cached_tokens=result.num_cached_tokens),
             output_tokens=result.num_completion_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=result.num_reasoning_tokens),
             total_tokens=result.num_prompt_tokens + result.num_completion_tokens)
         return self.model_copy(update={
             "status": "incomplete" if incomplete else "completed", "output": output, "usage": usage,

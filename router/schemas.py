@@ -700,10 +700,12 @@ class DetokenizeRequest(BaseModel):
 # -- responses -------------------------------------------------------------------------------
 class CompletionTokensDetails(BaseModel):
     """Where a request predicted its output: predicted tokens drafted and accepted as output, and
-    drafted but rejected by verification (computed, not emitted)."""
+    drafted but rejected by verification (computed, not emitted); where a reasoning model thought,
+    the tokens of its thinking."""
 
-    accepted_prediction_tokens: int
-    rejected_prediction_tokens: int
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+    reasoning_tokens: int = 0
 
 
 class PromptTokensDetails(BaseModel):
@@ -715,7 +717,7 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
-    completion_tokens_details: CompletionTokensDetails | None = None  # with a `prediction` only
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a `prediction` or thinking only
 
 
 class ContextSpanInfo(BaseModel):

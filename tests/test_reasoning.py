@@ -15,7 +15,7 @@ import requests
 from helpers import serve_tiny_app
 
 from workers.config import EngineConfig
-from workers.reasoning import Parts, ReasoningSplit, reasoning_start
+from workers.reasoning import Parts, ReasoningSplit, reasoning_start, reasoning_tokens
 from workers.sampling import SamplingParams
 from workers.structured import OutputFormat
 
@@ -81,6 +81,20 @@ def test_where_the_output_starts_is_read_from_the_prompt(tail: str, start: str) 
     assert reasoning_start(tail) == start
 
 
+def test_the_thinking_counts_the_tokens_that_hold_it() -> None:
+    pieces = ["<think>", "\n", "Two", " and", " two", ".</", "think", ">\n\n", "4", "."]
+
+    def decode(ids) -> str:
+        return "".join(pieces[i] for i in ids)
+
+    ids = list(range(len(pieces)))
+    assert reasoning_tokens(ids, decode, "closed") == 8  # the closing tag ends inside token 7
+    assert reasoning_tokens(ids[1:], decode, "open") == 7  # the prompt opened it
+    assert reasoning_tokens(ids[:6], decode, "closed") == 6  # never closed: all of it
+    assert reasoning_tokens(ids[8:], decode, "closed") == 0  # no thinking
+    assert reasoning_tokens([], decode, "open") == 0
+
+
 # -- formats after the thinking ---------------------------------------------------------------
 def accepts(engine, fmt: OutputFormat, text: str) -> bool:
     """Whether `text` (tokenized as the model would write it) is a whole output of `fmt`."""
@@ -139,17 +153,21 @@ def test_reasoning_over_http(tiny_config: EngineConfig, tmp_path: Path) -> None:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         common = {"model": MODEL, "messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 16,
                   "temperature": 0}
-        thought = client.chat.completions.create(**common).choices[0]
+        completion = client.chat.completions.create(**common)
+        thought = completion.choices[0]
         reasoning = thought.message.model_extra["reasoning"]
         assert reasoning and thought.message.content is None and thought.finish_reason == "length"
+        assert completion.usage.completion_tokens_details.reasoning_tokens == 16  # all of it thinking
         chunks = list(client.chat.completions.create(stream=True, **common))
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == reasoning
         assert not any(d.content for d in deltas)
 
         off = {"chat_template_kwargs": {"enable_thinking": False}}
-        answer = client.chat.completions.create(extra_body=off, **common).choices[0]
+        answered = client.chat.completions.create(extra_body=off, **common)
+        answer = answered.choices[0]
         assert "reasoning" not in answer.message.model_extra and answer.message.content
+        assert answered.usage.completion_tokens_details is None
         assert answer.message.content != reasoning  # another prompt: another output
         hidden = client.chat.completions.create(extra_body={"include_reasoning": False}, **common).choices[0]
         assert "reasoning" not in hidden.message.model_extra and hidden.message.content is None
@@ -163,6 +181,7 @@ def test_reasoning_over_http(tiny_config: EngineConfig, tmp_path: Path) -> None:
         response = client.responses.create(model=MODEL, input="What is 2 + 2?", max_output_tokens=16, temperature=0)
         [item] = response.output
         assert item.type == "reasoning" and item.content[0].text == reasoning
+        assert response.usage.output_tokens_details.reasoning_tokens == 16
         events = list(client.responses.create(model=MODEL, input="What is 2 + 2?", max_output_tokens=16,
                                               temperature=0, stream=True))
         assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning

@@ -16,6 +16,7 @@ loading the engine, which is imported when a replica starts.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -29,7 +30,7 @@ from ray.serve.handle import DeploymentHandle
 
 from policies.records import BatchingStats
 from workers.config import EngineConfig, RoutingConfig
-from workers.reasoning import PROMPT_TAIL_TOKENS, ReasoningSplit, reasoning_start
+from workers.reasoning import PROMPT_TAIL_TOKENS, ReasoningSplit, reasoning_start, reasoning_tokens
 from workers.result import GenerationResult, RequestError, StepStats, TokenLogprobs
 from workers.structured import OutputFormat
 
@@ -520,6 +521,8 @@ class TargetWorker:
         if slot.split is None:
             return Chunk(new_ids, head + delta, result.finish_reason, stats, logprobs=logprobs)
         fed, held = slot.split.feed(delta), slot.split.finish()
+        decode = functools.partial(self.engine.tokenizer.decode, skip_special_tokens=gen.params.skip_special_tokens)
+        stats = replace(stats, num_reasoning_tokens=reasoning_tokens(result.token_ids, decode, slot.split.start))
         return Chunk(new_ids, fed.content + held.content, result.finish_reason, stats, logprobs=logprobs,
                      reasoning=fed.reasoning + held.reasoning)
 

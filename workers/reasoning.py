@@ -17,6 +17,7 @@ Torch-free: the worker splits the output stream; the ingress only forwards the t
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -30,6 +31,27 @@ PROMPT_TAIL_TOKENS = 32  # the prompt's last tokens, decoded to find its last th
 def reasoning_start(prompt_tail: str) -> ReasoningStart:
     """Where an output begins, from the end of its rendered prompt."""
     return "open" if prompt_tail.rfind(THINK_OPEN) > prompt_tail.rfind(THINK_CLOSE) else "closed"
+
+
+def reasoning_chars(text: str, start: ReasoningStart) -> int:
+    """How much of an output's text is thinking, its tags included (all of it, never closed)."""
+    if start == "closed" and not text.lstrip().startswith(THINK_OPEN):
+        return 0
+    end = text.find(THINK_CLOSE)
+    return len(text) if end < 0 else end + len(THINK_CLOSE)
+
+
+def reasoning_tokens(token_ids: Sequence[int], decode: Callable[[Sequence[int]], str], start: ReasoningStart) -> int:
+    """How many of an output's tokens its thinking took: the fewest whose text holds all of it."""
+    chars = reasoning_chars(decode(token_ids), start)
+    lo, hi = 0, len(token_ids)  # the text of the first hi tokens holds the thinking; of lo, not (unless 0)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(decode(token_ids[:mid])) >= chars:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 @dataclass(frozen=True)

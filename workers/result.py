@@ -137,6 +137,7 @@ class GenerationResult:
     prompt_logprobs: list[TokenLogprobs] | None = None
     prediction: PredictionTokens | None = None  # when the request predicted its output
     num_cached_tokens: int = 0  # prompt tokens whose keys and values were reused, not prefilled (workers/prefix.py)
+    num_reasoning_tokens: int = 0  # of token_ids, a reasoning model's thinking (the worker's, workers/reasoning.py)
 
     @property
     def mean_acceptance_length(self) -> float:
