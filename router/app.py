@@ -718,8 +718,8 @@ class OpenAIIngress:
     ) -> StreamingResponse:
         """`make_chunk(index, text, ...)`: a choice's SSE chunk; `first(index)`: what each choice opens with."""
         gens, heads = await self._open_streams(body, prompts)
-        return StreamingResponse(self._events(gens, heads, make_chunk, first, body.include_usage, body.n),
-                                 media_type="text/event-stream")
+        return StreamingResponse(self._events(gens, heads, make_chunk, first, body.include_usage, body.n,
+                                              body.continuous_usage), media_type="text/event-stream")
 
     async def _open_streams(
         self, body: GenerationRequestBase, prompts: Sequence[Prompt],
@@ -763,24 +763,35 @@ class OpenAIIngress:
 
     async def _events(
         self, gens: list[DeploymentResponseGenerator], heads: list[Chunk], make_chunk: Callable[..., BaseModel],
-        first: Callable[[int], BaseModel] | None, include_usage: bool, n: int,
+        first: Callable[[int], BaseModel] | None, include_usage: bool, n: int, continuous_usage: bool = False,
     ) -> AsyncIterator[str]:
+        """`continuous_usage`: every chunk carries its choice's usage so far (vLLM's `continuous_usage_stats`)."""
         drop = ("speculation",) if include_usage else ("speculation", "usage")
+        generated = [0] * len(gens)  # each choice's tokens so far
+
+        def sse(event: BaseModel, index: int) -> str:
+            if continuous_usage:
+                prompt = heads[index].num_prompt_tokens
+                event = event.model_copy(update={"usage": Usage(
+                    prompt_tokens=prompt, completion_tokens=generated[index], total_tokens=prompt + generated[index])})
+            return _sse(event, drop)
+
         done = False
         try:
             if first is not None:
                 for index in range(len(gens)):
-                    yield _sse(first(index), drop)
+                    yield sse(first(index), index)
             finished: dict[int, GenerationResult] = {}
             async for index, chunk in _interleaved(gens, heads):
+                generated[index] += len(chunk.token_ids)
                 if chunk.finish_reason is not None:
                     finished[index] = chunk.result
-                    yield _sse(make_chunk(index, chunk.text, chunk.finish_reason, _speculation_info(chunk.result),
-                                          logprobs=chunk.logprobs, reasoning=chunk.reasoning), drop)
+                    yield sse(make_chunk(index, chunk.text, chunk.finish_reason, _speculation_info(chunk.result),
+                                         logprobs=chunk.logprobs, reasoning=chunk.reasoning), index)
                 elif (chunk.text or chunk.reasoning or chunk.logprobs) and (  # logprobs go out before text may
                         event := make_chunk(index, chunk.text, logprobs=chunk.logprobs,
                                             reasoning=chunk.reasoning)) is not None:
-                    yield _sse(event, drop)  # (None: held back, as a tool call is until it is whole)
+                    yield sse(event, index)  # (None: held back, as a tool call is until it is whole)
             if include_usage:
                 usage = _usage([finished[i] for i in sorted(finished)], n)
                 last = make_chunk(0, "").model_copy(update={"choices": [], "usage": usage})

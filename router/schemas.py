@@ -100,6 +100,8 @@ class SpeculationRequest(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="extension, as in vLLM: with include_usage, every "
+                                                            "chunk carries the usage so far")
 
 
 class TextPart(BaseModel):
@@ -336,6 +338,10 @@ class GenerationRequestBase(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def num_max_tokens(self) -> int | None:

@@ -376,6 +376,15 @@ def test_n_choices_streamed_and_not(client) -> None:
     assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role) == [0, 1, 2]
     assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2]
     assert chunks[-1].usage == full.usage
+    chunks = list(client.chat.completions.create(n=3, seed=7, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}, **common))  # vLLM's: each chunk, its usage so far
+    for i in range(3):
+        usages = [c.usage for c in chunks if c.choices and c.choices[0].index == i]
+        assert {u.prompt_tokens for u in usages} == {full.usage.prompt_tokens}
+        counts = [u.completion_tokens for u in usages]
+        assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 16 and len(set(counts)) > 2
+        assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    assert chunks[-1].usage == full.usage
     completions = client.completions.create(model=MODEL, prompt="Once", n=2, max_tokens=8, temperature=0)
     assert [c.index for c in completions.choices] == [0, 1]
     assert completions.choices[0].text == completions.choices[1].text  # greedy: the same twice

@@ -126,6 +126,7 @@ class Chunk:
     # a reasoning model's thinking, apart from `text` (the answer) where the target has a reasoning
     # parser and the prompt is a chat (workers/reasoning.py); None: the output is not split
     reasoning: str | None = None
+    num_prompt_tokens: int = 0  # the request's prompt (continuous usage before the last chunk's stats)
 
     @property
     def result(self) -> GenerationResult:
@@ -477,7 +478,7 @@ class TargetWorker:
         replies: list[tuple[_Slot, Chunk | BaseException]] = []
         for routed, stats in step.stats:
             slot = self._active[routed]
-            replies.append((slot, self._chunk(slot, stats)))
+            replies.append((slot, replace(self._chunk(slot, stats), num_prompt_tokens=routed.gen.ctx.num_prompt)))
             if routed.finished:
                 del self._active[routed]
                 self._num_finished += 1
