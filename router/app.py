@@ -9,6 +9,7 @@ speculation plan, and relays the worker's chunks as JSON or as SSE. It never imp
 # no `from __future__ import annotations`: Serve's ingress re-declares the endpoints, and FastAPI
 # must see their parameter types as classes, not strings
 import asyncio
+import importlib.metadata
 import json
 import logging
 import os
@@ -428,8 +429,14 @@ class OpenAIIngress:
         self.static = {name: (STATIC_DIR / name).read_bytes() for name in STATIC_FILES}
 
     @app.get("/healthz")
+    @app.get("/health")  # vLLM's name, which its users' probes ask
     async def healthz(self) -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version(self) -> dict[str, str]:
+        """The server's version (vLLM's /version)."""
+        return {"version": importlib.metadata.version("specroute")}
 
     @app.get("/v1/models")
     async def models(self) -> ModelList:

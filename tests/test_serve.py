@@ -6,6 +6,7 @@ is used unchanged where it can be; raw HTTP where the test is about the wire (SS
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import threading
@@ -75,6 +76,8 @@ def test_deploy_configs_validate(name: str) -> None:
 # -- the HTTP contract ---------------------------------------------------------------------------
 def test_healthz_and_models(base_url: str, client) -> None:
     assert requests.get(f"{base_url}/healthz", timeout=10).status_code == 200
+    assert requests.get(f"{base_url}/health", timeout=10).status_code == 200  # vLLM's path
+    assert requests.get(f"{base_url}/version", timeout=10).json()["version"] == importlib.metadata.version("specroute")
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     r = requests.get(f"{base_url}/v1/models/nope", timeout=10)
