@@ -1,7 +1,7 @@
 """Tool calls for any model (router/tools.py, workers/chat.py): "auto" as calls or an answer under
 one grammar, the answer's text streaming as it is written, and tool definitions in the system
-message where the chat template does not render them; Hermes' <tool_call> blocks for targets whose
-parser is hermes, and a chat template from the config."""
+message where the chat template does not render them; Hermes' <tool_call> blocks and Llama 3's bare
+JSON calls for targets with those parsers, and a chat template from the config."""
 
 from __future__ import annotations
 
@@ -135,18 +135,21 @@ def test_hermes_formats_hold_the_output_to_blocks_of_the_tools_calls() -> None:
 
 
 @pytest.mark.parametrize("drafter", ["none", "self", "ngram"])
-def test_hermes_calls_decoded_under_their_grammar_parse_and_stay_lossless(tiny_engine: SpecEngine,
-                                                                          drafter: str) -> None:
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_calls_decoded_under_a_parsers_grammar_parse_and_stay_lossless(tiny_engine: SpecEngine, drafter: str,
+                                                                       parser: str) -> None:
     short = {**WEATHER, "properties": {"city": {"type": "string", "maxLength": 8}}}  # the random model rambles
-    fmt = ToolChoice({"get_weather": short}, parallel=False, parser="hermes").output_format
+    choice = ToolChoice({"get_weather": short}, parallel=False, parser=parser)  # type: ignore[arg-type]
     prompt = tiny_engine.encode([{"role": "user", "content": "Weather in Paris?"}])
-    params = SamplingParams(max_tokens=120, output_format=fmt)
+    params = SamplingParams(max_tokens=120, output_format=choice.output_format)
     plain = tiny_engine.generate(prompt, params)
     out = tiny_engine.generate(prompt, params, drafter, 3)
     assert out.token_ids == plain.token_ids and out.finish_reason == "stop"
-    answer = HERMES.answer(out.text, out.finish_reason)
+    answer = choice.answer(out.text, out.finish_reason)
     assert answer.calls is not None and len(answer.calls) == 1 and answer.calls[0].name == "get_weather"
-    assert set(json.loads(answer.calls[0].arguments)) == {"city"} and out.text.startswith("<tool_call>\n{")
+    assert set(json.loads(answer.calls[0].arguments)) == {"city"}
+    assert out.text.startswith({"hermes": "<tool_call>\n{", "llama3_json": '{"name": "get_weather", "parameters": '}[
+        parser])
 
 
 def test_hermes_calls_are_written_back_as_blocks_and_described_where_the_template_ignores_tools() -> None:
@@ -157,6 +160,50 @@ def test_hermes_calls_are_written_back_as_blocks_and_described_where_the_templat
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
     [system, assistant] = with_tools_described([message], tools, "hermes")
     assert "<tool_call>" in system["content"] and assistant["content"] == _block("get_weather", {"city": "Oslo"})
+
+
+# -- Llama 3's bare JSON calls (target.tool_call_parser: llama3_json) ------------------------------
+LLAMA = ToolChoice({"get_weather": WEATHER, "now": NO_PARAMETERS}, parser="llama3_json")
+LLAMA_AUTO = replace(LLAMA, auto=True)
+
+
+def _json_call(name: str, parameters: dict, key: str = "parameters") -> str:
+    return json.dumps({"name": name, key: parameters})
+
+
+def test_llama3_json_calls_are_the_whole_output_or_none_of_it() -> None:
+    two = _json_call("get_weather", {"city": "Paris"}) + "; " + _json_call("now", {})
+    calls = [Call("get_weather", '{"city": "Paris"}'), Call("now", "{}")]
+    assert LLAMA_AUTO.answer(two, "stop") == Answer(calls, None, "tool_calls")
+    assert LLAMA_AUTO.answer(" " + two.replace("; ", " ;\n") + "\n", "stop").calls == calls  # blanks around
+    assert replace(LLAMA_AUTO, parallel=False).answer(two, "stop").calls == calls[:1]
+    assert LLAMA_AUTO.answer(_json_call("now", {}, "arguments"), "stop").calls == [Call("now", "{}")]  # as vLLM reads
+    for text in ("It is sunny.", "Sure: " + two, two + " done", '{"name": "get_weather", "param',
+                 _json_call("fly", {}), '{"not": "a call"}'):
+        assert LLAMA_AUTO.answer(text, "length") == Answer(None, text, "length")
+    named = ToolChoice({"get_weather": WEATHER}, name="get_weather", parser="llama3_json")
+    assert named.answer(_json_call("get_weather", {"city": "Oslo"}), "stop").finish_reason == "stop"
+
+
+def test_llama3_json_auto_streams_text_and_holds_what_may_be_calls() -> None:
+    assert LLAMA_AUTO.streamed_content("It is {sun") == "It is {sun"
+    assert LLAMA_AUTO.streamed_content(" \n") == ""  # may still open a call
+    assert LLAMA_AUTO.streamed_content(' {"name": "now"') == ""
+    assert LLAMA.streamed_content("{") is None  # "required": calls only, whole at the end
+
+
+def test_llama3_json_formats_and_calls_written_back() -> None:
+    assert LLAMA_AUTO.output_format is None
+    grammars = [LLAMA.output_format, replace(LLAMA, parallel=False).output_format]
+    assert all(g is not None and format_error(g) is None for g in grammars)
+    assert '("; " call)*' in grammars[0].spec and "call)*" not in grammars[1].spec
+    assert '"parameters"' in grammars[0].spec and "<tool_call>" not in grammars[0].spec
+    message = {"role": "assistant", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}, {"function": {"name": "now", "arguments": {}}}]}
+    assert calls_text(message["tool_calls"], "llama3_json") == (
+        _json_call("get_weather", {"city": "Oslo"}) + "; " + _json_call("now", {}))
+    [system, _] = with_tools_described([message], [{"type": "function", "function": {"name": "now"}}], "llama3_json")
+    assert '"parameters"' in system["content"] and "<tool_call>" not in system["content"]
 
 
 def test_a_configured_chat_template_renders_the_tools(tiny_config: EngineConfig, tmp_path: Path) -> None:

@@ -77,7 +77,7 @@ class ModelConfig(_Strict):
         return shipped if shipped.exists() else None
 
 
-ToolCallParser = Literal["generic", "hermes"]
+ToolCallParser = Literal["generic", "hermes", "llama3_json"]
 
 
 class TargetConfig(ModelConfig):
@@ -87,7 +87,8 @@ class TargetConfig(ModelConfig):
     tool_call_parser: ToolCallParser = Field(
         "generic", description="how the model writes tool calls (router/tools.py): generic = JSON any model can be "
                                "held to; hermes = <tool_call>{...}</tool_call> blocks (Qwen 2.5 and 3, Hermes, "
-                               "SmolLM3), as vLLM's --tool-call-parser hermes")
+                               "SmolLM3); llama3_json = bare {\"name\": ..., \"parameters\": ...} calls (Llama "
+                               "3.1-3.3); as vLLM's --tool-call-parser")
     reasoning_parser: ReasoningParser | None = Field(
         None, description="a reasoning model's <think>...</think> answered apart as the message's `reasoning` "
                           "(workers/reasoning.py; DeepSeek-R1, QwQ, Qwen3, SmolLM3), as vLLM's --reasoning-parser; "
