@@ -99,7 +99,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()), logprobs=args.logprobs, **penalties,
+            top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()),
+            extra_stop_token_ids=frozenset(args.stop_token_id or ()), ignore_eos=args.ignore_eos,
+            min_tokens=args.min_tokens, logprobs=args.logprobs, **penalties,
+            allowed_token_ids=None if args.allowed_token_id is None else frozenset(args.allowed_token_id),
             output_format=_output_format(args.response_format),
         )
     except ValueError as e:
@@ -111,6 +114,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = engine.encode(args.prompt, chat=not args.raw)
         if args.prediction:
             params = dataclasses.replace(params, prediction=tuple(engine.encode_text(args.prediction)))
+        if args.bad_word:
+            params = dataclasses.replace(params, bad_words=engine.bad_word_ids(args.bad_word))
         result = route(router, prompt_ids, params, args.prompt, Speculation(args.drafter, args.draft_len))
     except (ModelLoadError, PolicyError, RequestError) as e:
         raise CLIError(str(e)) from None
@@ -339,6 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--stop-token-id", type=int, action="append", help="a token that ends the output (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the likeliest's")
+    gen.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens")
+    gen.add_argument("--allowed-token-id", type=int, action="append", help="only these tokens (repeatable)")
+    gen.add_argument("--bad-word", action="append", help="a word never written (repeatable)")
     for penalty in ("presence", "frequency", "repetition"):
         gen.add_argument(f"--{penalty}-penalty", type=float, default=None, help="default: none")
     gen.add_argument("--prediction", default=None, metavar="TEXT",

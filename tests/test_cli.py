@@ -58,6 +58,15 @@ def test_generate_ngram_gives_the_same_tokens_as_plain(plain_json: dict) -> None
     assert out["num_steps"] <= len(out["token_ids"])
 
 
+def test_generate_takes_vllms_sampling_options(plain_json: dict) -> None:
+    word = plain_json["text"].split()[0]
+    out = generate_json("--drafter", "ngram", "--bad-word", word, "--ignore-eos", "--min-tokens", "8", "--min-p", "0.05")
+    assert len(out["token_ids"]) == 8 and out["token_ids"] != plain_json["token_ids"]
+    assert word not in out["text"].split()
+    first = plain_json["token_ids"][0]
+    assert generate_json("--stop-token-id", str(first))["token_ids"] == [first]  # a stop token is kept, as EOS is
+
+
 def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -96,6 +105,8 @@ def test_bad_sampling_value_is_refused() -> None:
     (["--stop", "x" * 300], ["stop", "256"]),
     (["--logprobs", "21"], ["logprobs", "21"]),
     (["--presence-penalty", "3"], ["presence_penalty", "3"]),
+    (["--min-p", "2"], ["min_p", "2"]),
+    (["--allowed-token-id", "999999"], ["allowed_token_ids", "999999"]),
     (["--policy", "/nonexistent/policy.yaml"], ["/nonexistent/policy.yaml"]),
 ])
 def test_bad_generate_arguments_are_refused(args: list[str], needles: list[str]) -> None:

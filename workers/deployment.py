@@ -445,7 +445,7 @@ class TargetWorker:
             start = reasoning_start(engine.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
             slot.split = ReasoningSplit(start)
             output_format = None if output_format is None else replace(output_format, reasoning=start)
-        bad_words = tuple(dict.fromkeys(ids for word in r.bad_words for ids in _bad_word_ids(engine, word) if ids))
+        bad_words = engine.bad_word_ids(r.bad_words)
         try:
             # max_tokens 0 scores the prompt: one token is run for it, and dropped (`_prompt_chunk`)
             defaulted = {"max_tokens": 1 if r.max_tokens == 0 else r.max_tokens, "presence_penalty": r.presence_penalty,
@@ -614,12 +614,6 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # outside a Serve replica (tests that build the class directly)
         return ""
-
-
-def _bad_word_ids(engine: SpecEngine, word: str) -> list[tuple[int, ...]]:
-    """A bad word's token sequences, as vLLM bans it: at the start of a text and after a space."""
-    word = word.lstrip()
-    return [tuple(engine.encode_text(word)), tuple(engine.encode_text(" " + word))]
 
 
 def _safe_delta(text: str, sent: str, stop: tuple[str, ...]) -> str:

@@ -631,6 +631,12 @@ class SpecEngine:
         """Token ids of a bare text, without special tokens (a predicted output)."""
         return self.target.tokenizer.encode(text, add_special_tokens=False)
 
+    def bad_word_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Bad words' token sequences, as vLLM bans them: each word at the start of a text and
+        after a space (workers/bans.py)."""
+        spellings = (self.encode_text(w) for word in words for w in (word.lstrip(), " " + word.lstrip()))
+        return tuple(dict.fromkeys(tuple(ids) for ids in spellings if ids))
+
     def default_draft_len(self, drafter: str) -> int:
         return 0 if drafter == PLAIN else getattr(self.drafters[drafter].config, "draft_len", 0)
 
