@@ -94,6 +94,35 @@ def test_learns_from_finished_requests_of_the_same_domain_only() -> None:
     assert propose(drafter, [0, 7, 8], 4, "code") == []
 
 
+def test_a_sampled_request_draws_its_chain_from_the_continuations_frequencies() -> None:
+    """(1, 2) went on with 3 twice and 9 once: a sampled request's draft is 3 about two times in
+    three, its first row of q (2/3, 1/3); past 3, the two occurrences went on with 6 and 7, a half
+    each. The chain is as long as the likeliest one; greedy requests, `sample_drafts: false` and
+    a drafter that does not know the vocabulary propose the likeliest."""
+    ids = [5, 1, 2, 3, 6, 1, 2, 3, 7, 1, 2, 9, 8, 1, 2]
+    drafter = SuffixDrafter(SuffixDrafterConfig(max_spec_factor=1.0), vocab_size=16)
+    sampled = SamplingParams(temperature=1.0)
+    drafts = []
+    for seed in range(600):
+        c = DraftContext(list(ids), sampled, make_generator(seed), max_len=64)
+        drafts.append(drafter.propose(drafter.begin(c), c, 8))
+    firsts = [d.token_ids[0].item() for d in drafts]
+    assert set(firsts) == {3, 9} and abs(firsts.count(3) / len(firsts) - 2 / 3) < 0.06  # ~4.4 sigma
+    for d in drafts:
+        assert d.tree is None and d.probs is not None and d.probs.shape == (d.token_ids.shape[0], 16)
+        assert d.token_ids.shape[0] == 2  # the likeliest chain's length (max_spec_factor 1, a 2-token match)
+        assert d.probs[0].tolist() == pytest.approx([2 / 3 if t == 3 else 1 / 3 if t == 9 else 0 for t in range(16)])
+        q = d.probs[1, d.token_ids[1]].item()
+        assert q == (0.5 if d.token_ids[0] == 3 else 1.0)  # after 9, the one occurrence's 8
+    assert {d.token_ids[1].item() for d in drafts if d.token_ids[0] == 3} == {6, 7}
+    greedy = DraftContext(list(ids), SamplingParams(), make_generator(0), max_len=64)
+    for other in (drafter, make(max_spec_factor=1.0)):
+        assert other.propose(other.begin(greedy), greedy, 8).probs is None
+    fixed = SuffixDrafter(SuffixDrafterConfig(max_spec_factor=1.0, sample_drafts=False), vocab_size=16)
+    c = DraftContext(list(ids), sampled, make_generator(0), max_len=64)
+    assert fixed.propose(fixed.begin(c), c, 8).probs is None
+
+
 def test_a_match_never_spans_two_requests() -> None:
     drafter = make(min_n=2)
     drafter.learn(ctx([1, 2, 3], "d"))
@@ -187,15 +216,17 @@ def test_greedy_output_is_plain_output_and_memory_is_learned(tiny_config, tree) 
     assert result.num_accepted_tokens > 0
 
 
-def test_sampled_output_follows_target_distribution(tiny_config) -> None:
-    """Rejection sampling against a one-hot q: the first two sampled tokens follow the target's
-    joint distribution while the drafter proposes from its domain memory (both the accept and
-    the reject path taken)."""
-    engine = suffix_engine(tiny_config)
+@pytest.mark.parametrize("sample_drafts", [True, False])
+def test_sampled_output_follows_target_distribution(tiny_config, sample_drafts: bool) -> None:
+    """Rejection sampling against the continuations' frequencies (a drawn chain) or a one-hot q
+    (the likeliest): the first two sampled tokens follow the target's joint distribution while
+    the drafter proposes from its domain memory (both the accept and the reject path taken; a
+    drawn draft also puts mass on a token the target never samples)."""
+    engine = suffix_engine(tiny_config, sample_drafts=sample_drafts)
     case = TwoTokenCase.of(engine)
-    a, b, _ = case.draft_vocab(engine.target.model.info.vocab_size)
+    a, b, never = case.draft_vocab(engine.target.model.info.vocab_size)
     drafter = engine.drafters["suffix"]
-    for first in (a, a, b):  # the memory: a after the prompt, more often than b
+    for first in (a, a, b, never):  # the memory: a after the prompt, more often than b
         drafter.learn(ctx([*case.prompt, first], "d"))
     results = assert_follows_joint(case.joint, 800, lambda seed: engine.generate(
         case.prompt, SamplingParams(seed=seed, **TWO_TOKEN_PARAMS), "suffix", 1, domain="d"))

@@ -194,6 +194,9 @@ class SuffixDrafterConfig(_MatchLengths):
     draft_len: int = Field(6, ge=1, description="static k when the policy does not choose one")
     tree: TreeConfig | None = Field(
         None, description="draft a tree of the likeliest continuations (topk per node, nodes in all; null: a chain)")
+    sample_drafts: bool = Field(
+        True, description="sampled requests: draw the chain from the continuations' frequencies and verify it against "
+                          "them (rejection sampling); false: the likeliest continuation, as for greedy requests")
 
 
 class LookaheadDrafterConfig(_Strict):

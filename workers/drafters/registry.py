@@ -130,7 +130,7 @@ def build_drafter(
     if isinstance(config, GrammarDrafterConfig):
         return GrammarDrafter(config)
     if isinstance(config, SuffixDrafterConfig):
-        return SuffixDrafter(config)
+        return SuffixDrafter(config, target.model.info.vocab_size)
     if isinstance(config, ModelDrafterConfig):
         if service is not None:
             return RemoteDrafter(config, service, target.model.info.vocab_size)

@@ -10,6 +10,11 @@ and follows the most frequent one while its estimated acceptance (the share of o
 continue that way, times the path so far) stays >= `min_token_prob` (with `tree`: the likeliest
 few branches); it drafts at most `max_spec_factor * match length` tokens, since a long match
 predicts a long copy. Training-free and cheap, so the router scores it every step.
+
+A sampled request's past outputs are samples of the target's distribution in like contexts, so
+for one (`sample_drafts`) the chain is drawn from the continuations' frequencies and verified
+against them as the draft distribution q (rejection sampling): a draft accepted with probability
+sum min(p, q) rather than the likeliest continuation's p, which pays where past outputs vary.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import heapq
 import itertools
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -36,6 +41,18 @@ MAX_MATCH_LENGTHS = 3  # distinct match lengths a proposal weighs (the longest o
 class Proposal:
     token_ids: list[int]
     parents: tuple[int, ...]  # per token, its parent token (-1: the root): a chain or a tree
+    # a drawn chain's draft distribution per token: each continuation's share of the occurrences
+    shares: tuple[dict[int, float], ...] | None = None
+
+
+def continuations(live: Sequence[Match], at: int) -> dict[int, list[Match]]:
+    """The occurrences in `live` by their token `at` past the match (those that end there left
+    out), the most frequent token first (ties: the earlier match's)."""
+    groups: dict[int, list[Match]] = {}
+    for m in live:
+        if (token := m.at(at)) != SEPARATOR:
+            groups.setdefault(token, []).append(m)
+    return dict(sorted(groups.items(), key=lambda g: -len(g[1])))
 
 
 def grow(
@@ -52,11 +69,7 @@ def grow(
     order = itertools.count()  # equal estimates: the earlier offered first
 
     def offer(parent: int, prob: float, at: int, live: list[Match]) -> None:
-        groups: dict[int, list[Match]] = {}
-        for m in live:
-            if (token := m.at(at)) != SEPARATOR:
-                groups.setdefault(token, []).append(m)
-        for token, group in sorted(groups.items(), key=lambda g: -len(g[1]))[:topk]:
+        for token, group in itertools.islice(continuations(live, at).items(), topk):
             if (p := prob * len(group) / len(live)) >= min_prob:
                 heapq.heappush(heap, (-p, next(order), parent, at + 1, token, group))
 
@@ -69,6 +82,27 @@ def grow(
         if at < depth:
             offer(len(tokens) - 1, -neg_prob, at, live)
     return Proposal(tokens, tuple(parents))
+
+
+def draw(matches: Sequence[Match], depth: int, min_prob: float, generator: torch.Generator) -> Proposal:
+    """A chain drawn from the continuations of `matches`: each token sampled by its share of the
+    occurrences that go on (the occurrences that continue so are kept for the next). It stops
+    where the estimate along the drawn path, the product of each level's likeliest share, falls
+    below `min_prob` (`grow`'s rule for its chain)."""
+    tokens: list[int] = []
+    shares: list[dict[int, float]] = []
+    live, prob = list(matches), 1.0
+    for at in range(depth):
+        groups = continuations(live, at)
+        if not groups or (prob := prob * len(next(iter(groups.values()))) / len(live)) < min_prob:
+            break
+        counts = list(itertools.accumulate(len(g) for g in groups.values()))
+        u = float(torch.rand((), generator=generator)) * counts[-1]
+        token = list(groups)[next((i for i, c in enumerate(counts) if u < c), len(counts) - 1)]
+        tokens.append(token)
+        shares.append({t: len(g) / counts[-1] for t, g in groups.items()})
+        live = groups[token]
+    return Proposal(tokens, tuple(range(-1, len(tokens) - 1)), tuple(shares))
 
 
 class SuffixCaches:
@@ -117,9 +151,12 @@ class SuffixDrafter:
     needs_hidden_states: ClassVar[bool] = False
     cheap: ClassVar[bool] = True
 
-    def __init__(self, config: SuffixDrafterConfig) -> None:
+    def __init__(self, config: SuffixDrafterConfig, vocab_size: int | None = None) -> None:
+        """`vocab_size`: the target's, the width of a drawn chain's draft distribution (None: chains
+        are never drawn, only the likeliest proposed)."""
         self.config = config
         self.name = config.name
+        self.vocab_size = vocab_size
         self.caches = self.new_caches()
 
     def new_caches(self) -> SuffixCaches:
@@ -129,36 +166,44 @@ class SuffixDrafter:
         return SuffixState(TokenIndex(self.config.min_n, self.config.max_n))
 
     def propose(self, state: SuffixState, ctx: DraftContext, k: int) -> Draft:
-        tree = ctx.tree_shape(self.config.tree)
-        best = self._proposal(state, ctx, k, *((1, None) if tree is None else (tree.topk, tree.nodes)))
+        cfg = self.config
+        tree = ctx.tree_shape(cfg.tree)
+        if tree is None and self.vocab_size is not None and cfg.sample_drafts and not ctx.params.greedy:
+            best = self._proposal(state, ctx, k, lambda m, depth: draw(m, depth, cfg.min_token_prob, ctx.generator))
+        else:
+            topk, nodes = (1, None) if tree is None else (tree.topk, tree.nodes)
+            best = self._proposal(state, ctx, k, lambda m, depth: grow(m, depth, cfg.min_token_prob, topk, nodes))
         if not best.token_ids:
             return Draft(state.empty)
         ids = torch.tensor(best.token_ids, dtype=torch.long)
+        if best.shares is not None:
+            assert self.vocab_size is not None
+            probs = torch.zeros(len(best.shares), self.vocab_size)
+            for row, shares in enumerate(best.shares):
+                probs[row, list(shares)] = torch.tensor(list(shares.values()))
+            return Draft(ids, probs)
         return Draft(ids) if tree is None else Draft(ids, tree=DraftTree(best.parents))
 
     def continuation(self, state: SuffixState, ctx: DraftContext, k: int) -> list[int]:
         """The likeliest chain of at most k tokens, whatever `tree` says (what lookahead decoding
         guesses from this drafter's memory)."""
-        return self._proposal(state, ctx, k, 1, None).token_ids
+        return self._proposal(state, ctx, k, lambda m, depth: grow(m, depth, self.config.min_token_prob)).token_ids
 
-    def _proposal(self, state: SuffixState, ctx: DraftContext, k: int, topk: int, num_nodes: int | None) -> Proposal:
+    def _proposal(self, state: SuffixState, ctx: DraftContext, k: int,
+                  extend: Callable[[list[Match], int], Proposal]) -> Proposal:
+        """The continuation of the longest match (`extend`ed to a depth), read from every
+        occurrence at least that long, the request's own first; when it proposes nothing, of the
+        next longest."""
         cfg, ids = self.config, ctx.token_ids
         state.own.extend(ids[state.own.end :])
         matches = state.own.matches(ids, cfg.max_depth, cfg.max_occurrences)
         with self.caches.lock:  # a past output's tokens are read until the proposal is grown
             if ctx.domain is not None and (past := self.caches.domains.get(ctx.domain)) is not None:
                 matches += past.matches(ids, cfg.max_depth, cfg.max_occurrences)
-            return self._best(matches, k, topk, num_nodes)
-
-    def _best(self, matches: list[Match], k: int, topk: int, num_nodes: int | None) -> Proposal:
-        """The continuation of the longest match, read from every occurrence at least that long
-        (the request's own first); when it proposes nothing, of the next longest."""
-        cfg = self.config
-        for length in sorted({m.length for m in matches}, reverse=True)[:MAX_MATCH_LENGTHS]:
-            depth = min(k, int(cfg.max_spec_factor * length + cfg.max_spec_offset))
-            proposal = grow([m for m in matches if m.length >= length], depth, cfg.min_token_prob, topk, num_nodes)
-            if proposal.token_ids:
-                return proposal
+            for length in sorted({m.length for m in matches}, reverse=True)[:MAX_MATCH_LENGTHS]:
+                depth = min(k, int(cfg.max_spec_factor * length + cfg.max_spec_offset))
+                if (proposal := extend([m for m in matches if m.length >= length], depth)).token_ids:
+                    return proposal
         return Proposal([], ())
 
     def commit(self, state: SuffixState, ctx: DraftContext, num_new: int, num_accepted: int) -> None:
