@@ -770,7 +770,7 @@ class OpenAIIngress:
 
     async def _events(
         self, gens: list[DeploymentResponseGenerator], heads: list[Chunk], make_chunk: Callable[..., BaseModel],
-        first: Callable[[int], BaseModel] | None, include_usage: bool, n: int, continuous_usage: bool = False,
+        first: Callable[[int], BaseModel] | None, include_usage: bool, n: int, continuous_usage: bool,
     ) -> AsyncIterator[str]:
         """`continuous_usage`: every chunk carries its choice's usage so far (vLLM's `continuous_usage_stats`)."""
         drop = ("speculation",) if include_usage else ("speculation", "usage")

@@ -97,7 +97,7 @@ def draw(matches: Sequence[Match], depth: int, min_prob: float, generator: torch
         if not groups or (prob := prob * len(next(iter(groups.values()))) / len(live)) < min_prob:
             break
         counts = list(itertools.accumulate(len(g) for g in groups.values()))
-        u = float(torch.rand((), generator=generator)) * counts[-1]
+        u = float(torch.rand((), generator=generator, device=generator.device)) * counts[-1]
         token = list(groups)[next((i for i, c in enumerate(counts) if u < c), len(counts) - 1)]
         tokens.append(token)
         shares.append({t: len(g) / counts[-1] for t, g in groups.items()})
@@ -178,9 +178,10 @@ class SuffixDrafter:
         ids = torch.tensor(best.token_ids, dtype=torch.long)
         if best.shares is not None:
             assert self.vocab_size is not None
-            probs = torch.zeros(len(best.shares), self.vocab_size)
+            probs = torch.zeros(len(best.shares), self.vocab_size)  # q on the target's device, as p is
             for row, shares in enumerate(best.shares):
                 probs[row, list(shares)] = torch.tensor(list(shares.values()))
+            probs = probs.to(ctx.generator.device)
             return Draft(ids, probs)
         return Draft(ids) if tree is None else Draft(ids, tree=DraftTree(best.parents))
 
