@@ -23,14 +23,13 @@ TOOLS_INTRO = "You can call these tools (their parameters as JSON Schema):"
 @dataclass(frozen=True)
 class CallSyntax:
     """How a model family writes its tool calls: each `{"name": ..., ARGUMENTS: {...}}` between
-    `opener` and `closer`, one after another with `separator` between; `text_first`: the model may
-    write text before its calls (else an output is calls or text, never both)."""
+    `opener` and `closer`, one after another with `separator` between. Text may come before an
+    opener; a syntax without one writes calls or text, never both."""
 
     arguments: str  # the key of a call's arguments
     opener: str
     closer: str
     separator: str
-    text_first: bool
     how: str  # how to call, for the system message where the template does not render tools
 
     def write(self, name: str, arguments: Any) -> str:
@@ -40,11 +39,11 @@ class CallSyntax:
 # vLLM's --tool-call-parser names
 SYNTAXES: dict[str, CallSyntax] = {
     "hermes": CallSyntax(  # Qwen 2.5 and 3, Hermes, SmolLM3
-        "arguments", "<tool_call>\n", "\n</tool_call>", "\n", True,
+        "arguments", "<tool_call>\n", "\n</tool_call>", "\n",
         'To call a tool, write <tool_call>\n{"name": <the tool\'s name>, "arguments": <its arguments as a JSON '
         "object>}\n</tool_call> for each call."),
     "llama3_json": CallSyntax(  # Llama 3.1, 3.2 and 3.3
-        "parameters", "", "", "; ", False,
+        "parameters", "", "", "; ",
         'To call a tool, respond with only {"name": <the tool\'s name>, "parameters": <its arguments as a JSON '
         "object>}, calls separated by \"; \"."),
 }
