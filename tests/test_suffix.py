@@ -100,7 +100,7 @@ def test_a_sampled_request_draws_its_chain_from_the_continuations_frequencies() 
     each. The chain is as long as the likeliest one; greedy requests, `sample_drafts: false` and
     a drafter that does not know the vocabulary propose the likeliest."""
     ids = [5, 1, 2, 3, 6, 1, 2, 3, 7, 1, 2, 9, 8, 1, 2]
-    drafter = SuffixDrafter(SuffixDrafterConfig(max_spec_factor=1.0), vocab_size=16)
+    drafter = SuffixDrafter(SuffixDrafterConfig(max_spec_factor=1.0, sample_drafts=True), vocab_size=16)
     sampled = SamplingParams(temperature=1.0)
     drafts = []
     for seed in range(600):
@@ -116,9 +116,9 @@ def test_a_sampled_request_draws_its_chain_from_the_continuations_frequencies() 
         assert q == (0.5 if d.token_ids[0] == 3 else 1.0)  # after 9, the one occurrence's 8
     assert {d.token_ids[1].item() for d in drafts if d.token_ids[0] == 3} == {6, 7}
     greedy = DraftContext(list(ids), SamplingParams(), make_generator(0), max_len=64)
-    for other in (drafter, make(max_spec_factor=1.0)):
+    for other in (drafter, make(max_spec_factor=1.0, sample_drafts=True)):
         assert other.propose(other.begin(greedy), greedy, 8).probs is None
-    fixed = SuffixDrafter(SuffixDrafterConfig(max_spec_factor=1.0, sample_drafts=False), vocab_size=16)
+    fixed = SuffixDrafter(SuffixDrafterConfig(max_spec_factor=1.0), vocab_size=16)  # the default: the likeliest
     c = DraftContext(list(ids), sampled, make_generator(0), max_len=64)
     assert fixed.propose(fixed.begin(c), c, 8).probs is None
 

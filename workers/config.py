@@ -195,8 +195,10 @@ class SuffixDrafterConfig(_MatchLengths):
     tree: TreeConfig | None = Field(
         None, description="draft a tree of the likeliest continuations (topk per node, nodes in all; null: a chain)")
     sample_drafts: bool = Field(
-        True, description="sampled requests: draw the chain from the continuations' frequencies and verify it against "
-                          "them (rejection sampling); false: the likeliest continuation, as for greedy requests")
+        False, description="sampled requests: draw the chain from the continuations' frequencies and verify it "
+                           "against them (rejection sampling; the drafter's own MAT +4-5% on sampled traffic, but "
+                           "the router's shadow scores underrate drawn drafts: docs/benchmarks.md); false: the "
+                           "likeliest continuation, as for greedy requests")
 
 
 class LookaheadDrafterConfig(_Strict):

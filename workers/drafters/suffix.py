@@ -12,9 +12,11 @@ few branches); it drafts at most `max_spec_factor * match length` tokens, since 
 predicts a long copy. Training-free and cheap, so the router scores it every step.
 
 A sampled request's past outputs are samples of the target's distribution in like contexts, so
-for one (`sample_drafts`) the chain is drawn from the continuations' frequencies and verified
-against them as the draft distribution q (rejection sampling): a draft accepted with probability
+with `sample_drafts` its chain is drawn from the continuations' frequencies and verified against
+them as the draft distribution q (rejection sampling): a draft accepted with probability
 sum min(p, q) rather than the likeliest continuation's p, which pays where past outputs vary.
+Off by default: the router scores a shadow draft by whether the sampled output repeated it, which
+underrates a drawn draft (sum p q, not sum min(p, q)) and steers it away from this drafter.
 """
 
 from __future__ import annotations
