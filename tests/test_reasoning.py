@@ -139,6 +139,37 @@ def test_guided_output_after_thinking_is_guided_plain_output(self_drafting_engin
         jsonschema.validate(json.loads(plain.text), SCHEMA)
 
 
+# -- /v1/responses' events -----------------------------------------------------------------------
+def test_a_streamed_response_puts_the_reasoning_item_first() -> None:
+    """The reasoning item opens with the first thinking, closes when the answer starts, and the
+    message follows it at output index 1; the completed response holds both."""
+    from router.responses import ResponseEvents, ResponseObject, ResponsesRequest
+    from workers.result import GenerationResult
+
+    response = ResponseObject.started(ResponsesRequest(input="What is 2 + 2?"), "resp_1", MODEL)
+    events = ResponseEvents(response, None)
+    stream = [*events.start(), *events.reasoning("Two and"), *events.reasoning(" two."), *events.reasoning(""),
+              *events.text("It is"), *events.text(" 4.")]
+    result = GenerationResult(prompt_token_ids=[1, 2], token_ids=[3] * 9, text="", finish_reason="stop", num_steps=9,
+                              num_draft_tokens=0, num_accepted_tokens=0, accepted_per_position=[],
+                              drafted_per_position=[], drafters=[], prefill_s=0.0, wall_s=0.1, ttft_s=0.01,
+                              num_reasoning_tokens=5)
+    stream += events.finish("stop", result, None)  # type: ignore[arg-type]
+    payloads = [json.loads(e.split("data: ", 1)[1]) for e in stream]
+    assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
+    assert [(p["type"].removeprefix("response."), p.get("output_index")) for p in payloads] == [
+        ("created", None), ("in_progress", None),
+        ("output_item.added", 0), ("reasoning_text.delta", 0), ("reasoning_text.delta", 0),
+        ("reasoning_text.done", 0), ("output_item.done", 0),
+        ("output_item.added", 1), ("content_part.added", 1), ("output_text.delta", 1), ("output_text.delta", 1),
+        ("output_text.done", 1), ("content_part.done", 1), ("output_item.done", 1), ("completed", None)]
+    assert payloads[5]["text"] == "Two and two." and payloads[11]["text"] == "It is 4."
+    done = payloads[-1]["response"]
+    assert [i["type"] for i in done["output"]] == ["reasoning", "message"]
+    assert done["output"][0]["content"] == [{"type": "reasoning_text", "text": "Two and two."}]
+    assert done["usage"]["output_tokens_details"] == {"reasoning_tokens": 5}
+
+
 # -- over HTTP ------------------------------------------------------------------------------------
 def test_reasoning_over_http(tiny_config: EngineConfig, tmp_path: Path) -> None:
     """The thinking the prompt opened comes back as `reasoning` (the tiny model never closes it, so
