@@ -97,8 +97,8 @@ def test_learns_from_finished_requests_of_the_same_domain_only() -> None:
 def test_a_sampled_request_draws_its_chain_from_the_continuations_frequencies() -> None:
     """(1, 2) went on with 3 twice and 9 once: a sampled request's draft is 3 about two times in
     three, its first row of q (2/3, 1/3); past 3, the two occurrences went on with 6 and 7, a half
-    each. The chain is as long as the likeliest one; greedy requests, `sample_drafts: false` and
-    a drafter that does not know the vocabulary propose the likeliest."""
+    each. Greedy requests, `sample_drafts: false` and a drafter that does not know the vocabulary
+    propose the likeliest."""
     ids = [5, 1, 2, 3, 6, 1, 2, 3, 7, 1, 2, 9, 8, 1, 2]
     drafter = SuffixDrafter(SuffixDrafterConfig(max_spec_factor=1.0, sample_drafts=True), vocab_size=16)
     sampled = SamplingParams(temperature=1.0)
@@ -115,6 +115,8 @@ def test_a_sampled_request_draws_its_chain_from_the_continuations_frequencies() 
         q = d.probs[1, d.token_ids[1]].item()
         assert q == (0.5 if d.token_ids[0] == 3 else 1.0)  # after 9, the one occurrence's 8
     assert {d.token_ids[1].item() for d in drafts if d.token_ids[0] == 3} == {6, 7}
+    # routing scores a drawn draft's shadow by the likeliest chain (a tie: the latest occurrence's)
+    assert all(d.likeliest == [3, 7] and d.scored_ids == [3, 7] for d in drafts)
     greedy = DraftContext(list(ids), SamplingParams(), make_generator(0), max_len=64)
     for other in (drafter, make(max_spec_factor=1.0, sample_drafts=True)):
         assert other.propose(other.begin(greedy), greedy, 8).probs is None

@@ -196,9 +196,9 @@ class SuffixDrafterConfig(_MatchLengths):
         None, description="draft a tree of the likeliest continuations (topk per node, nodes in all; null: a chain)")
     sample_drafts: bool = Field(
         False, description="sampled requests: draw the chain from the continuations' frequencies and verify it "
-                           "against them (rejection sampling; the drafter's own MAT +4-5% on sampled traffic, but "
-                           "the router's shadow scores underrate drawn drafts: docs/benchmarks.md); false: the "
-                           "likeliest continuation, as for greedy requests")
+                           "against them (rejection sampling; the drafter's own MAT +4-5% on sampled traffic, the "
+                           "router's speed unchanged: docs/benchmarks.md); false: the likeliest continuation, as "
+                           "for greedy requests")
 
 
 class LookaheadDrafterConfig(_Strict):

@@ -99,7 +99,7 @@ class CheapDrafters:
                 self._pending.append(_Pending(name, context_len, k, proposal))
         for name in self.shadow:  # the cheap drafters this step did not ask are scored all the same
             if name not in asked and (draft := gen.propose(name, gen.engine.config.max_draft_len)) is not None:
-                self._pending.append(_Pending(name, context_len, 0, draft.token_ids.tolist()))
+                self._pending.append(_Pending(name, context_len, 0, draft.scored_ids))
         return order
 
     def scores(self) -> tuple[ShadowScore, ...]:
@@ -120,12 +120,12 @@ class CheapDrafters:
         drafter is asked for max_draft_len, and what lies past k is scored like a shadow."""
         if name not in self.shadow:
             draft = self.gen.propose(name, k)
-            return draft, [] if draft is None or draft.tree is not None else draft.token_ids.tolist()
+            return draft, [] if draft is None or draft.tree is not None else draft.scored_ids
         draft = self.gen.propose(name, self.gen.engine.config.max_draft_len)
         if draft is None or draft.tree is not None:
             return draft, []
-        proposal = draft.token_ids.tolist()
-        return Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k]), proposal
+        return Draft(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k],
+                     likeliest=draft.likeliest), draft.scored_ids
 
 
 def _extends(draft: Draft, lead: Draft | None) -> bool:

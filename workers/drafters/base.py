@@ -26,6 +26,14 @@ class Draft:
     # token_ids are the nodes of this tree, k' its depth (workers/tree.py); None: a chain. A tree's
     # candidates are deterministic (probs None)
     tree: DraftTree | None = None
+    # a drawn chain's likeliest alternative: what routing scores as the drafter's shadow, since a
+    # sampled output repeats a drawn draft less often than verification accepts it (None: token_ids)
+    likeliest: list[int] | None = None
+
+    @property
+    def scored_ids(self) -> list[int]:
+        """The tokens a shadow of this draft is scored by."""
+        return self.token_ids.tolist() if self.likeliest is None else self.likeliest
 
 
 @dataclass

@@ -15,12 +15,14 @@ A sampled request's past outputs are samples of the target's distribution in lik
 with `sample_drafts` its chain is drawn from the continuations' frequencies and verified against
 them as the draft distribution q (rejection sampling): a draft accepted with probability
 sum min(p, q) rather than the likeliest continuation's p, which pays where past outputs vary.
-Off by default: the router scores a shadow draft by whether the sampled output repeated it, which
-underrates a drawn draft (sum p q, not sum min(p, q)) and steers it away from this drafter.
+A sampled output repeats a drawn draft less often (sum p q) than verification accepts it, so
+routing scores a drawn draft's shadow by its likeliest alternative (`Draft.likeliest`). Off by
+default: the drafter gains, the router over it measured no faster (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import threading
@@ -45,6 +47,7 @@ class Proposal:
     parents: tuple[int, ...]  # per token, its parent token (-1: the root): a chain or a tree
     # a drawn chain's draft distribution per token: each continuation's share of the occurrences
     shares: tuple[dict[int, float], ...] | None = None
+    likeliest: list[int] | None = None  # a drawn chain's likeliest alternative (the shadow routing scores)
 
 
 def continuations(live: Sequence[Match], at: int) -> dict[int, list[Match]]:
@@ -171,7 +174,9 @@ class SuffixDrafter:
         cfg = self.config
         tree = ctx.tree_shape(cfg.tree)
         if tree is None and self.vocab_size is not None and cfg.sample_drafts and not ctx.params.greedy:
-            best = self._proposal(state, ctx, k, lambda m, depth: draw(m, depth, cfg.min_token_prob, ctx.generator))
+            best = self._proposal(state, ctx, k, lambda m, depth: dataclasses.replace(
+                draw(m, depth, cfg.min_token_prob, ctx.generator),
+                likeliest=grow(m, depth, cfg.min_token_prob).token_ids))
         else:
             topk, nodes = (1, None) if tree is None else (tree.topk, tree.nodes)
             best = self._proposal(state, ctx, k, lambda m, depth: grow(m, depth, cfg.min_token_prob, topk, nodes))
@@ -184,7 +189,7 @@ class SuffixDrafter:
             for row, shares in enumerate(best.shares):
                 probs[row, list(shares)] = torch.tensor(list(shares.values()))
             probs = probs.to(ctx.generator.device)
-            return Draft(ids, probs)
+            return Draft(ids, probs, likeliest=best.likeliest)
         return Draft(ids) if tree is None else Draft(ids, tree=DraftTree(best.parents))
 
     def continuation(self, state: SuffixState, ctx: DraftContext, k: int) -> list[int]:
