@@ -92,6 +92,7 @@ from router.schemas import (
     ToolCall,
     ToolCallDelta,
     Usage,
+    prompt_logprobs_of,
 )
 from router.stats_view import stats_json
 from router.tools import Call
@@ -494,7 +495,10 @@ class OpenAIIngress:
         return CompletionResponse(
             id=request_id, created=created, model=self.model_name,
             choices=[CompletionChoice(index=i, text=out.text, finish_reason=out.finish_reason,
-                                      logprobs=logprobs_of(i, out.logprobs)) for i, out in enumerate(outs)],
+                                      logprobs=logprobs_of(i, out.logprobs),
+                                      prompt_logprobs=prompt_logprobs_of(out.result.prompt_logprobs,
+                                                                         body.return_tokens_as_token_ids))
+                     for i, out in enumerate(outs)],
             usage=_usage([out.result for out in outs], body.n), speculation=_speculation_info(outs[0].result),
         )
 
@@ -561,6 +565,7 @@ class OpenAIIngress:
                                 else ChatLogprobs.of(out.logprobs, body.return_tokens_as_token_ids))
                      for i, (out, (msg, finish)) in enumerate(zip(outs, answers))],
             usage=_usage([out.result for out in outs], body.n), speculation=_speculation_info(outs[0].result),
+            prompt_logprobs=prompt_logprobs_of(outs[0].result.prompt_logprobs, body.return_tokens_as_token_ids),
         )
 
     @app.post("/v1/responses", response_model=None)
@@ -662,8 +667,9 @@ class OpenAIIngress:
         seed + i, so choices differ yet repeat."""
         self._check_model(body.model)
         max_len = await self._max_model_len()
-        if body.num_max_tokens == 0 and not body.echoes:
-            raise APIError(400, "max_tokens: 0 generates nothing; it scores the prompt with echo: true", "max_tokens")
+        if body.num_max_tokens == 0 and not body.echoes and body.prompt_logprobs is None:
+            raise APIError(400, "max_tokens: 0 generates nothing; it scores the prompt with echo: true or "
+                                "prompt_logprobs", "max_tokens")
         if body.num_max_tokens is not None and body.num_max_tokens >= max_len:
             field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
             raise APIError(400, f"{field}: {body.num_max_tokens} leaves no room for the prompt in this model's "
@@ -678,7 +684,8 @@ class OpenAIIngress:
             bad_words=tuple(body.bad_words or ()), skip_special_tokens=body.skip_special_tokens,
             truncate_prompt_tokens=body.truncate_prompt_tokens,
             drafter=spec.drafter, draft_len=spec.draft_len, domain=spec.domain,
-            logprobs=body.num_logprobs, logit_bias=body.token_bias, presence_penalty=body.presence_penalty,
+            logprobs=body.num_logprobs, prompt_logprobs=body.prompt_logprobs, logit_bias=body.token_bias,
+            presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
             prediction=body.prediction.text if body.prediction is not None else None, echo=body.echoes,
             output_format=body.output_format,

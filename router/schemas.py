@@ -2,7 +2,7 @@
 plus SpecRoute's extensions: `speculation` (request: the plan asked for; response: what ran and
 how well it was accepted), and vLLM's sampling extensions: `top_k`, `min_p`, `ignore_eos`,
 `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`,
-`skip_special_tokens` and `truncate_prompt_tokens`.
+`skip_special_tokens`, `truncate_prompt_tokens` and `prompt_logprobs`.
 
 `logprobs` report the target's raw distribution (before penalties, temperature, top-k and top-p;
 vLLM's default), read off the rows that verified each token (workers/logprobs.py). Penalties and
@@ -228,6 +228,9 @@ class GenerationRequestBase(BaseModel):
                                  "the model's context holds)")
     stream: bool = False
     stream_options: StreamOptions | None = None
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="extension, as in vLLM: each prompt token's logprob and rank, and "
+                                                 "this many likeliest at its position (not with stream)")
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices to generate, each its own request in the batch")
     ignore_eos: bool = Field(False, description="extension: keep generating past end-of-sequence")
     priority: int = Field(0, description="extension, as in vLLM: lower is admitted first, under the scheduler's "
@@ -249,6 +252,13 @@ class GenerationRequestBase(BaseModel):
         None, description="text, any JSON object, or JSON of a schema (OpenAI's on chat; also on completions)")
     structured_outputs: StructuredOutputs | None = Field(
         None, description="extension, as in vLLM: the output matches a JSON schema, regex, choice or grammar")
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise ValueError("not available with stream: true")  # as vLLM: the prompt is scored before any chunk
+        return value
 
     @field_validator("response_format", "structured_outputs")
     @classmethod
@@ -364,7 +374,8 @@ class GenerationRequestBase(BaseModel):
 
 class CompletionRequest(GenerationRequestBase):
     max_tokens: int | None = Field(None, ge=0, description="tokens to generate (default: the engine's); 0, with "
-                                                          "echo: the prompt scored, nothing generated")
+                                                          "echo or prompt_logprobs: the prompt scored, nothing "
+                                                          "generated")
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="the prompt, used as is (no chat template): a text, token ids, or a list of either "
                     "(each prompt gets `n` choices, indexed prompt by prompt)")
@@ -821,11 +832,38 @@ class CompletionLogprobs(BaseModel):
         )
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape of a prompt token's logprob (`prompt_logprobs`)."""
+
+    logprob: float
+    rank: int | None  # 1: the likeliest at its position
+    decoded_token: str
+
+
+# per prompt token (the first, which nothing predicts: None), its logprob and its position's
+# likeliest, keyed by token id
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+def prompt_logprobs_of(entries: list[TokenLogprobs] | None, as_ids: bool = False) -> PromptLogprobs | None:
+    if entries is None:
+        return None
+
+    def of(entry: Logprob) -> PromptLogprob:
+        assert entry.logprob is not None
+        return PromptLogprob(logprob=entry.logprob, rank=entry.rank,
+                             decoded_token=token_as_id(entry.token_id) if as_ids else entry.token)
+
+    return [None if e.chosen.logprob is None else {str(t.token_id): of(t) for t in (e.chosen, *e.top)}
+            for e in entries]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, where the request asked
 
 
 class CompletionResponse(BaseModel):
@@ -872,6 +910,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     speculation: SpeculationInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, where the request asked: one prompt, every choice's
 
 
 class ChatDelta(BaseModel):

@@ -257,6 +257,42 @@ def test_echo_scores_the_prompt(base_url: str, client) -> None:
     assert [x for p in parts for x in p["text_offset"]] == whole["choices"][0]["logprobs"]["text_offset"]
 
 
+def test_prompt_logprobs_as_vllm_returns_them(base_url: str) -> None:
+    """vLLM's `prompt_logprobs`: per prompt token (the first none) a dict by token id of its
+    logprob, rank and text and its position's likeliest; the numbers an echo scores; beside an
+    echo's own count, each use its own; with max_tokens 0 the prompt alone; on chat, top level."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    common = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    url = f"{base_url}/v1/completions"
+    assert requests.post(url, json=common, timeout=60).json()["choices"][0]["prompt_logprobs"] is None
+    out = requests.post(url, json={**common, "prompt_logprobs": 2, "echo": True, "logprobs": 1}, timeout=60).json()
+    choice, n = out["choices"][0], out["usage"]["prompt_tokens"]
+    scored, echoed = choice["prompt_logprobs"], choice["logprobs"]
+    assert len(scored) == n and scored[0] is None
+    assert all(len(d) <= 2 for d in echoed["top_logprobs"][1:n])  # the echo's own count: 1 and the token
+    for i, position in enumerate(scored[1:], 1):
+        token = echoed["tokens"][i]
+        chosen = next(e for e in position.values() if e["decoded_token"] == token)
+        assert chosen["logprob"] == pytest.approx(echoed["token_logprobs"][i], abs=1e-6)
+        ranked = sorted(position.values(), key=lambda e: e["rank"])  # the two likeliest, then the token if not
+        assert [e["rank"] for e in ranked[:2]] == [1, 2] and len(ranked) in (2, 3)
+        assert len(ranked) == 2 or ranked[2] is chosen and chosen["rank"] > 2
+        assert [e["logprob"] for e in ranked] == sorted((e["logprob"] for e in ranked), reverse=True)
+    as_ids = requests.post(url, json={**common, "prompt_logprobs": 0, "return_tokens_as_token_ids": True},
+                           timeout=60).json()["choices"][0]["prompt_logprobs"]
+    assert all([f"token_id:{key}" for key in d] == [e["decoded_token"] for e in d.values()] for d in as_ids[1:])
+    only = requests.post(url, json={**common, "max_tokens": 0, "prompt_logprobs": 2}, timeout=60).json()
+    assert only["choices"][0]["text"] == "" and only["usage"]["completion_tokens"] == 0
+    assert only["choices"][0]["prompt_logprobs"] == scored and only["choices"][0]["logprobs"] is None
+
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 3, "temperature": 0,
+            "n": 2}
+    answer = requests.post(f"{base_url}/v1/chat/completions", json={**chat, "prompt_logprobs": 0}, timeout=60).json()
+    assert len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"]  # one prompt for both choices
+    assert answer["prompt_logprobs"][0] is None and all(len(d) == 1 for d in answer["prompt_logprobs"][1:])
+    assert requests.post(f"{base_url}/v1/chat/completions", json=chat, timeout=60).json()["prompt_logprobs"] is None
+
+
 def test_logit_bias_and_penalties(base_url: str, tiny_llama_dir: Path) -> None:
     """A bias of 100 outweighs every logit and penalty: the biased token, every time, drafted or not."""
     from transformers import AutoTokenizer
@@ -819,7 +855,10 @@ LONG_PROMPT = "lorem ipsum " * 600  # > 1024 tokens, the tiny config's max_model
     ("chat", {"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is true
     ("chat", {"tools": [WEATHER], "echo": True}, "echo"),
     ("completions", {"prompt": "hi", "prediction": {"type": "content", "content": "lorem ipsum " * 600}},
-     "prediction"),    ("completions", {"prompt": "hi", "min_p": 2}, "min_p"),
+     "prediction"),
+    ("completions", {"prompt": "hi", "min_p": 2}, "min_p"),
+    ("completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("chat", {"prompt_logprobs": 21}, "prompt_logprobs"),
     ("completions", {"prompt": "hi", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
     ("completions", {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
     ("completions", {"prompt": "hi", "allowed_token_ids": [10**9]}, "allowed_token_ids"),

@@ -50,7 +50,7 @@ class GenerateRequest:
 
     prompt: str | list[dict[str, Any]]  # raw text (no chat template) or chat messages (as templates read them)
     prompt_token_ids: tuple[int, ...] | None = None  # a prompt given as token ids (then `prompt` is unused)
-    max_tokens: int | None = None  # None: SamplingParams' default; 0 (with echo): the prompt scored, nothing generated
+    max_tokens: int | None = None  # None: SamplingParams' default; 0: the prompt scored, no output
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -69,6 +69,7 @@ class GenerateRequest:
     draft_len: int | None = None  # None: the policy chooses k
     domain: str | None = None  # None: the policy's classifier decides
     logprobs: int | None = None  # None: none; n: each token's logprob and its n likeliest alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (vLLM's), in the last chunk's stats
     # None: SamplingParams' default (no penalty)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -457,7 +458,7 @@ class TargetWorker:
                 allowed_token_ids=None if r.allowed_token_ids is None else frozenset(r.allowed_token_ids),
                 bad_words=bad_words, skip_special_tokens=r.skip_special_tokens,
                 logprobs=r.logprobs, logit_bias=r.logit_bias, prediction=prediction,
-                prompt_logprobs=r.logprobs if r.echo else None, output_format=output_format,
+                prompt_logprobs=_most(r.prompt_logprobs, r.logprobs if r.echo else None), output_format=output_format,
                 **{name: value for name, value in defaulted.items() if value is not None},
             )
         except ValueError as e:  # the ingress checks the same ranges; its message starts with the field
@@ -492,7 +493,7 @@ class TargetWorker:
         routed = slot.gen
         assert routed is not None
         if slot.request.max_tokens == 0:
-            return self._prompt_chunk(routed, slot.prompt_text)
+            return self._prompt_chunk(slot)
         gen = routed.gen
         output_ids = gen.output_ids
         new_ids = output_ids[slot.num_sent_ids :]
@@ -503,7 +504,7 @@ class TargetWorker:
             slot.echoed = True
             head = slot.prompt_text
             if logprobs is not None:
-                logprobs = [*(gen.prompt_logprobs or []), *logprobs]
+                logprobs = [*_tops(gen.prompt_logprobs or [], gen.params.logprobs or 0), *logprobs]
         if not gen.finished:
             text = self.engine.tokenizer.decode(output_ids, skip_special_tokens=gen.params.skip_special_tokens)
             delta = _safe_delta(text, slot.sent_text, gen.params.stop)
@@ -517,8 +518,9 @@ class TargetWorker:
         if not result.text.startswith(slot.sent_text):  # cannot happen with prefix-stable decoding
             log.warning("streamed text is not a prefix of the final text")
         delta = result.text[len(slot.sent_text) :]
-        # the chunks carry the logprobs; the stats need not carry them again
-        stats = replace(result, steps=[], logprobs=None, prompt_logprobs=None)
+        # the chunks carry the logprobs; the stats need not carry them again, but do carry the
+        # prompt's where the request asked for them apart (vLLM's prompt_logprobs)
+        stats = replace(result, steps=[], logprobs=None, prompt_logprobs=self._prompt_logprobs(slot, result))
         if slot.split is None:
             return Chunk(new_ids, head + delta, result.finish_reason, stats, logprobs=logprobs)
         fed, held = slot.split.feed(delta), slot.split.finish()
@@ -527,18 +529,29 @@ class TargetWorker:
         return Chunk(new_ids, fed.content + held.content, result.finish_reason, stats, logprobs=logprobs,
                      reasoning=fed.reasoning + held.reasoning)
 
-    def _prompt_chunk(self, routed: RoutedGeneration, prompt_text: str) -> Chunk:
-        """A request of max_tokens 0 (an echo scoring its prompt, as lm-evaluation-harness asks):
-        the prompt and its logprobs; the one token run to get them (max_tokens 1) is dropped."""
+    def _prompt_chunk(self, slot: _Slot) -> Chunk:
+        """A request of max_tokens 0 (an echo scoring its prompt, as lm-evaluation-harness asks, or
+        vLLM's prompt_logprobs): the prompt (echoed) and its logprobs; the one token run to get
+        them (max_tokens 1) is dropped."""
+        routed = slot.gen
+        assert routed is not None
         gen = routed.gen
         if not gen.finished:
             raise RuntimeError("a request of max_tokens 0 runs one step")
         result = routed.result()
         routed.close()
         stats = replace(result, token_ids=[], text="", finish_reason="length", steps=[], logprobs=None,
-                        prompt_logprobs=None)
-        logprobs = None if gen.logprobs is None else list(gen.prompt_logprobs or [])
-        return Chunk([], prompt_text, "length", stats, logprobs=logprobs)
+                        prompt_logprobs=self._prompt_logprobs(slot, result))
+        echo = slot.request.echo
+        logprobs = _tops(gen.prompt_logprobs or [], gen.params.logprobs or 0) if echo and gen.logprobs is not None \
+            else None
+        return Chunk([], slot.prompt_text if echo else "", "length", stats, logprobs=logprobs)
+
+    @staticmethod
+    def _prompt_logprobs(slot: _Slot, result: GenerationResult) -> list[TokenLogprobs] | None:
+        """The prompt's logprobs a request asked for apart from its echo (`prompt_logprobs`)."""
+        asked = slot.request.prompt_logprobs
+        return None if asked is None or result.prompt_logprobs is None else _tops(result.prompt_logprobs, asked)
 
     def _drop(self, slot: _Slot) -> None:
         """Take a request out of the batch (cancelled, or failed) and close it."""
@@ -624,3 +637,15 @@ def _safe_delta(text: str, sent: str, stop: tuple[str, ...]) -> str:
     if end <= len(sent) or not text.startswith(sent):
         return ""
     return text[len(sent) : end]
+
+
+def _most(*counts: int | None) -> int | None:
+    """The most alternatives any use asks for (None: no use)."""
+    asked = [n for n in counts if n is not None]
+    return max(asked) if asked else None
+
+
+def _tops(entries: list[TokenLogprobs], num_top: int) -> list[TokenLogprobs]:
+    """`entries` with each position's `num_top` likeliest: the prompt's logprobs are scored once,
+    for the use that asks the most (an echo's `logprobs`, `prompt_logprobs`)."""
+    return [e if len(e.top) <= num_top else replace(e, top=e.top[:num_top]) for e in entries]

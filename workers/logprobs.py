@@ -46,21 +46,24 @@ class TokenText:
             self._known[token_id] = known
         return known
 
-    def logprob(self, token_id: int, value: float | None) -> Logprob:
+    def logprob(self, token_id: int, value: float | None, rank: int | None = None) -> Logprob:
         text, raw = self.of(token_id)
         logprob = None if value is None else max(value, MIN_LOGPROB)
-        return Logprob(token_id=token_id, token=text, bytes=raw, logprob=logprob)
+        return Logprob(token_id=token_id, token=text, bytes=raw, logprob=logprob, rank=rank)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int, text: TokenText) -> list[TokenLogprobs]:
-    """For each row of logits [n, vocab] the log-probability of token_ids[i] under it and the
-    row's `num_top` likeliest tokens (largest first)."""
+    """For each row of logits [n, vocab] the log-probability of token_ids[i] under it, with its
+    rank (vLLM's: 1 + the tokens likelier than it), and the row's `num_top` likeliest tokens
+    (largest first)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(-1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
+    chosen = logprobs.gather(-1, torch.tensor(token_ids, device=logits.device)[:, None])
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
     top_values, top_ids = (torch.topk(logprobs, num_top, dim=-1) if num_top
                            else (logprobs.new_empty(len(token_ids), 0), logprobs.new_empty(len(token_ids), 0)))
     return [
-        TokenLogprobs(chosen=text.logprob(token, value),
-                      top=tuple(text.logprob(int(i), v) for i, v in zip(ids, values)))
-        for token, value, ids, values in zip(token_ids, chosen, top_ids.tolist(), top_values.tolist())
+        TokenLogprobs(chosen=text.logprob(token, value, rank),
+                      top=tuple(text.logprob(int(i), v, r) for r, (i, v) in enumerate(zip(ids, values), 1)))
+        for token, value, rank, ids, values in zip(token_ids, chosen[:, 0].tolist(), ranks, top_ids.tolist(),
+                                                   top_values.tolist())
     ]

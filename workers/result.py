@@ -53,6 +53,7 @@ class Logprob:
     token: str  # its text alone (U+FFFD where it holds part of a character)
     bytes: tuple[int, ...]  # its UTF-8 bytes
     logprob: float | None  # None: a prompt's first token, which no position predicts
+    rank: int | None = None  # 1: the likeliest token at its position; None: no position predicts it
 
 
 @dataclass(frozen=True)
