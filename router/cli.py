@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -85,6 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from policies.schema import PolicyError
     from policies.stats import MemoryStats
     from workers.engine import SpecEngine
+    from workers.reasoning import PROMPT_TAIL_TOKENS, reasoning_start, reasoning_tokens, split_output
     from workers.routing import Router, Speculation
     from workers.routing import generate as route
     from workers.sampling import SamplingParams
@@ -124,6 +126,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(result.text)
         return 0
     assert result.routing is not None
+    thinking: dict[str, Any] = {}
+    if config.target.reasoning_parser is not None and not args.raw:  # a chat's thinking apart from its answer
+        start = reasoning_start(engine.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+        parts = split_output(result.text, start)
+        decode = functools.partial(engine.tokenizer.decode, skip_special_tokens=params.skip_special_tokens)
+        thinking = {"reasoning": parts.reasoning, "content": parts.content,
+                    "num_reasoning_tokens": reasoning_tokens(result.token_ids, decode, start)}
     print(json.dumps({
         "text": result.text,
         "token_ids": result.token_ids,
@@ -137,6 +146,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "mean_acceptance_length": round(result.mean_acceptance_length, 4),
         "accepted_per_position": result.accepted_per_position,
         "wall_s": round(result.wall_s, 4),
+        **thinking,
         **({} if result.prediction is None else {"prediction_tokens": dataclasses.asdict(result.prediction)}),
         **({} if result.logprobs is None else {"logprobs": [
             {**_logprob_json(e.chosen), "top_logprobs": [_logprob_json(t) for t in e.top]} for e in result.logprobs

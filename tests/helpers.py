@@ -401,3 +401,18 @@ Call a function with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im
 {% endif %}{% endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
+
+
+# Qwen3's way, with DeepSeek-R1's default: the prompt opens the thinking, or with enable_thinking
+# false holds an empty one
+THINKING_TEMPLATE = """\
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content or '' }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% else %}<think>
+{% endif %}{% endif %}"""

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from helpers import THINKING_TEMPLATE
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."
@@ -152,6 +154,21 @@ def test_generate_holds_the_output_to_a_response_format() -> None:
     assert out["finish_reason"] == "stop" and set(json.loads(out["text"])) == {"answer"}
     proc = specroute("generate", "--prompt", PROMPT, "--response-format", '{"type": "json_schema"}')
     assert_user_error(proc, "--response-format", "json_schema")
+
+
+def test_generate_splits_a_reasoning_models_thinking(tmp_path: Path) -> None:
+    """Under a reasoning parser `--json` gives the thinking and the answer apart: a template that
+    opens the thinking in the prompt makes all of an unclosed output thinking."""
+    (tmp_path / "thinking.jinja").write_text(THINKING_TEMPLATE)
+    config = yaml.safe_load((REPO / "deploy" / "serve.cpu.yaml").read_text())
+    engine = config["applications"][0]["args"]["engine"]
+    engine["target"].update(chat_template=str(tmp_path / "thinking.jinja"), reasoning_parser="deepseek_r1")
+    engine["drafters"] = [{"kind": "ngram"}]
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
+    out = generate_json("--config", str(tmp_path / "serve.yaml"))
+    assert out["reasoning"] == out["text"].strip() and out["content"] == ""
+    assert out["num_reasoning_tokens"] == len(out["token_ids"]) == 8
+    assert "reasoning" not in generate_json("--config", str(tmp_path / "serve.yaml"), "--raw")
 
 
 def test_generate_auto_routes_and_reports_the_decision(plain_json: dict) -> None:

@@ -12,28 +12,15 @@ from pathlib import Path
 import jsonschema
 import pytest
 import requests
-from helpers import serve_tiny_app
+from helpers import THINKING_TEMPLATE, serve_tiny_app
 
 from workers.config import EngineConfig
-from workers.reasoning import Parts, ReasoningSplit, reasoning_start, reasoning_tokens
+from workers.reasoning import Parts, ReasoningSplit, reasoning_start, reasoning_tokens, split_output
 from workers.sampling import SamplingParams
 from workers.structured import OutputFormat
 
 MODEL = "tiny-thinker"
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
-# Qwen3's way, with DeepSeek-R1's default: the prompt opens the thinking, or with enable_thinking
-# false holds an empty one
-THINKING_TEMPLATE = """\
-{%- for m in messages %}<|im_start|>{{ m.role }}
-{{ m.content or '' }}<|im_end|>
-{% endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and not enable_thinking %}<think>
-
-</think>
-
-{% else %}<think>
-{% endif %}{% endif %}"""
 
 
 # -- the split ------------------------------------------------------------------------------------
@@ -57,6 +44,7 @@ def split_whole(start: str, text: str, cuts: list[int]) -> tuple[str, str]:
 ])
 def test_the_split_is_the_same_however_the_text_is_cut(start: str, text: str, reasoning: str, content: str) -> None:
     assert split_whole(start, text, []) == (reasoning, content)
+    assert split_output(text, start) == Parts(reasoning, content)  # a whole output, as the CLI splits it
     for cut in range(len(text) + 1):
         assert split_whole(start, text, [cut]) == (reasoning, content), cut
     assert split_whole(start, text, list(range(1, len(text)))) == (reasoning, content)  # a character a delta

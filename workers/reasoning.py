@@ -125,6 +125,13 @@ class ReasoningSplit:
         return text
 
 
+def split_output(text: str, start: ReasoningStart) -> Parts:
+    """A whole output's reasoning and answer (the stream's split, fed at once)."""
+    split = ReasoningSplit(start)
+    fed, held = split.feed(text), split.finish()
+    return Parts(fed.reasoning + held.reasoning, fed.content + held.content)
+
+
 def _tag_prefix_at_end(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag`."""
     return max((n for n in range(1, len(tag)) if text.endswith(tag[:n])), default=0)
