@@ -495,7 +495,7 @@ class OpenAIIngress:
         return CompletionResponse(
             id=request_id, created=created, model=self.model_name,
             choices=[CompletionChoice(index=i, text=out.text, finish_reason=out.finish_reason,
-                                      logprobs=logprobs_of(i, out.logprobs),
+                                      stop_reason=out.result.stop_reason, logprobs=logprobs_of(i, out.logprobs),
                                       prompt_logprobs=prompt_logprobs_of(out.result.prompt_logprobs,
                                                                          body.return_tokens_as_token_ids))
                      for i, out in enumerate(outs)],
@@ -560,7 +560,7 @@ class OpenAIIngress:
         answers = [message(out) for out in outs]
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name,
-            choices=[ChatChoice(index=i, message=msg, finish_reason=finish,
+            choices=[ChatChoice(index=i, message=msg, finish_reason=finish, stop_reason=out.result.stop_reason,
                                 logprobs=None if out.logprobs is None
                                 else ChatLogprobs.of(out.logprobs, body.return_tokens_as_token_ids))
                      for i, (out, (msg, finish)) in enumerate(zip(outs, answers))],
@@ -800,8 +800,10 @@ class OpenAIIngress:
                 generated[index] += len(chunk.token_ids)
                 if chunk.finish_reason is not None:
                     finished[index] = chunk.result
-                    yield sse(make_chunk(index, chunk.text, chunk.finish_reason, _speculation_info(chunk.result),
-                                         logprobs=chunk.logprobs, reasoning=chunk.reasoning), index)
+                    event = make_chunk(index, chunk.text, chunk.finish_reason, _speculation_info(chunk.result),
+                                       logprobs=chunk.logprobs, reasoning=chunk.reasoning)
+                    event.choices[0].stop_reason = chunk.result.stop_reason
+                    yield sse(event, index)
                 elif (chunk.text or chunk.reasoning or chunk.logprobs) and (  # logprobs go out before text may
                         event := make_chunk(index, chunk.text, logprobs=chunk.logprobs,
                                             reasoning=chunk.reasoning)) is not None:

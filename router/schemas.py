@@ -863,6 +863,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended the output
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, where the request asked
 
 
@@ -900,6 +901,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended the output
 
 
 class ChatCompletionResponse(BaseModel):
@@ -929,6 +931,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # on the last chunk, as on ChatChoice
 
 
 class ChatCompletionChunk(BaseModel):

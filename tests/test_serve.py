@@ -332,11 +332,13 @@ def test_vllm_sampling_extensions(base_url: str, tiny_llama_dir: Path) -> None:
 
     stopped = complete(stop_token_ids=[dog])
     assert stopped["choices"][0]["text"] == " dog" and stopped["usage"]["completion_tokens"] == 1
+    assert stopped["choices"][0]["stop_reason"] == dog  # vLLM's: what ended the output
     waited = complete(stop_token_ids=[dog], min_tokens=3)  # no stop token before 3 tokens
     assert waited["choices"][0]["text"].endswith(" dog") and waited["usage"]["completion_tokens"] == 4
     assert " dog" not in waited["choices"][0]["text"][: -len(" dog")]
     assert waited["choices"][0]["finish_reason"] == "stop"
     assert complete(stop=[" dog"])["choices"][0]["text"] == ""
+    assert complete(stop=[" cow", " dog"])["choices"][0]["stop_reason"] == " dog"
     assert complete(stop=[" dog"], include_stop_str_in_output=True)["choices"][0]["text"] == " dog"
     kept = complete(stop=[" dog"], include_stop_str_in_output=True, min_tokens=2)
     assert kept["choices"][0]["text"] == " dog" * 3  # the string must end past the first 2 tokens
@@ -349,6 +351,7 @@ def test_vllm_sampling_extensions(base_url: str, tiny_llama_dir: Path) -> None:
     eos = tokenizer.eos_token_id
     special = {"logit_bias": {str(eos): 100}, "max_tokens": 2}
     assert complete(**special)["choices"][0]["text"] == ""
+    assert complete(**special)["choices"][0]["stop_reason"] is None  # end of sequence
     assert complete(**special, skip_special_tokens=False)["choices"][0]["text"] == tokenizer.eos_token * 2
     long_prompt = {"prompt": "one two three four five six seven eight nine ten"}
     assert complete(**long_prompt, truncate_prompt_tokens=4)["usage"]["prompt_tokens"] == 4
@@ -448,10 +451,18 @@ def test_stop_string_streamed_and_not(base_url: str) -> None:
     out = requests.post(f"{base_url}/v1/completions", json=body, timeout=60).json()
     assert out["choices"][0]["text"] == text[: text.index(stop)]
     assert out["choices"][0]["finish_reason"] == "stop"
+    assert out["choices"][0]["stop_reason"] == stop
     with requests.post(f"{base_url}/v1/completions", json={**body, "stream": True}, stream=True,
                        timeout=60) as r:
-        streamed = "".join(e["choices"][0]["text"] for e in _sse(r) if e != "[DONE]")
-    assert streamed == out["choices"][0]["text"]
+        events = [e for e in _sse(r) if e != "[DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in events) == out["choices"][0]["text"]
+    assert [e["choices"][0]["stop_reason"] for e in events][-1] == stop
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "The list:"}], "max_tokens": 40,
+            "temperature": 0, "ignore_eos": True}
+    answer = requests.post(f"{base_url}/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]
+    stop = answer["message"]["content"][8:11]
+    stopped = requests.post(f"{base_url}/v1/chat/completions", json={**chat, "stop": [stop]}, timeout=60).json()
+    assert stopped["choices"][0]["stop_reason"] == stop and answer["stop_reason"] is None
 
 
 def test_drafters_are_lossless_and_stats_consistent(base_url: str) -> None:

@@ -125,6 +125,7 @@ class Generation:
         self.cache: KVCache | None = self.model.new_cache(max_len) if prefill else None
         self._closed = False
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended the output
         self.text: str | None = None
         self.steps: list[StepStats] = []
         # each output token's logprobs, when the request asks (workers/logprobs.py)
@@ -386,6 +387,7 @@ class Generation:
             token_ids=self.output_ids,
             text=self.text if self.text is not None else self._decode(),
             finish_reason=self.finish_reason or "length",
+            stop_reason=self.stop_reason,
             num_steps=len(self.steps),
             num_draft_tokens=sum(s.num_draft_tokens for s in self.steps),
             num_accepted_tokens=sum(s.num_accepted for s in self.steps),
@@ -497,8 +499,9 @@ class Generation:
                 self.guide.advance(token)
             if token in self.stop_ids:
                 self.finish_reason = "stop"
-            elif self.params.stop and (text := self._text_before_stop()) is not None:
-                self.finish_reason, self.text = "stop", text
+                self.stop_reason = token if token in self.params.extra_stop_token_ids else None  # EOS: None
+            elif self.params.stop and (found := self._stop_string()) is not None:
+                self.finish_reason, (self.text, self.stop_reason) = "stop", found
             elif self.guide is not None and self.guide.done:
                 self.finish_reason = "stop"  # a complete grammar ends the output: no forward for its end token
             elif self.num_remaining == 0:
@@ -507,21 +510,22 @@ class Generation:
                 return n
         return len(token_ids)
 
-    def _text_before_stop(self) -> str | None:
+    def _stop_string(self) -> tuple[str, str] | None:
         """The output text cut at the first stop string (before it, or after it where the request
-        keeps it), or None when none occurs yet. As in vLLM, stop strings count once the output
-        is longer than min_tokens, and only those that end past its first min_tokens tokens."""
+        keeps it) and that string, or None when none occurs yet. As in vLLM, stop strings count
+        once the output is longer than min_tokens, and only those that end past its first
+        min_tokens tokens."""
         params = self.params
         if len(self.output_ids) <= params.min_tokens:
             return None
         if self._stop_search_from is None:
             self._stop_search_from = len(self._decode(self.output_ids[: params.min_tokens])) if params.min_tokens else 0
         text, start = self._decode(), self._stop_search_from
-        hits = [(i, len(s)) for s in params.stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
+        hits = [(i, len(s), s) for s in params.stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
         if not hits:
             return None
-        i, n = min(hits)
-        return text[: i + n] if params.include_stop_str_in_output else text[:i]
+        i, n, stop = min(hits)
+        return (text[: i + n] if params.include_stop_str_in_output else text[:i]), stop
 
     def _decode(self, token_ids: list[int] | None = None) -> str:
         """The output's text (or token_ids'), special tokens left out unless the request keeps them."""

@@ -139,6 +139,7 @@ class GenerationResult:
     prediction: PredictionTokens | None = None  # when the request predicted its output
     num_cached_tokens: int = 0  # prompt tokens whose keys and values were reused, not prefilled (workers/prefix.py)
     num_reasoning_tokens: int = 0  # of token_ids, a reasoning model's thinking (the worker's, workers/reasoning.py)
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it (else None)
 
     @property
     def mean_acceptance_length(self) -> float:
