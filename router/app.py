@@ -49,6 +49,16 @@ from router.control import (
     parse_policy_body,
     policy_outcome,
 )
+from router.messages import (
+    CountTokensRequest,
+    CountTokensResponse,
+    MessageEvents,
+    MessageObject,
+    MessagesRequest,
+    content_blocks,
+    messages_param,
+)
+from router.messages import error_type as messages_error_type
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.metrics import render as render_metrics
 from router.observation import Observation
@@ -101,6 +111,7 @@ from workers.deployment import Chunk, DrafterWorker, GenerateRequest, TargetWork
 from workers.result import GenerationResult, RequestError, TokenLogprobs
 
 log = logging.getLogger(__name__)
+MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API (router/messages.py): errors in its shape
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 INGRESS_MAX_ONGOING_REQUESTS = 1024  # the ingress only relays: its limit is the workers' sum and more
@@ -146,8 +157,8 @@ class AppArgs(BaseModel):
                           f"<admin_token>` (default: ${ADMIN_TOKEN_ENV}; none: open)",
     )
     api_key: str | None = Field(
-        None, description=f"/v1/completions, /v1/chat/completions and /v1/models require `Authorization: Bearer "
-                          f"<api_key>` (default: ${API_KEY_ENV}; none: open)",
+        None, description=f"the inference endpoints and /v1/models require `Authorization: Bearer <api_key>` "
+                          f"(or `x-api-key: <api_key>`) (default: ${API_KEY_ENV}; none: open)",
     )
     allowed_dirs: list[str] = Field(
         default_factory=list, description=f"directories, besides the repository's models/ and policies/ and "
@@ -235,7 +246,11 @@ class APIError(Exception):
         return APIError(self.status, message, param, error.code, error.type, self.headers)
 
 
-def _error_response(e: APIError) -> JSONResponse:
+def _error_response(e: APIError, path: str = "") -> JSONResponse:
+    """OpenAI's error shape; Anthropic's on its Messages API, whose clients read that."""
+    if path.startswith(MESSAGES_PATH):
+        body = {"type": "error", "error": {"type": messages_error_type(e.status), "message": e.body.error.message}}
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
     return JSONResponse(e.body.model_dump(), status_code=e.status, headers=e.headers)
 
 
@@ -272,8 +287,8 @@ def _as_api_error(e: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}", type="internal_error")
 
 
-def _refusal(status: int, message: str, code: str) -> JSONResponse:
-    return _error_response(APIError(status, message, code=code))
+def _refusal(status: int, message: str, code: str, path: str) -> JSONResponse:
+    return _error_response(APIError(status, message, code=code), path)
 
 
 app = FastAPI(title="SpecRoute", description="OpenAI-compatible speculative decoding with drafter routing")
@@ -292,29 +307,29 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
         message = f"{param}: unknown field"
     else:
         message = f"{param or 'body'}: {err['msg']}"
-    return _error_response(APIError(400, message, param))
+    return _error_response(APIError(400, message, param), request.url.path)
 
 
 @app.exception_handler(APIError)
 async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
-    return _error_response(exc)
+    return _error_response(exc, request.url.path)
 
 
 @app.exception_handler(Exception)
 async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-    return _error_response(_as_api_error(exc))
+    return _error_response(_as_api_error(exc), request.url.path)
 
 
 @app.exception_handler(ControlError)
 async def _on_control_error(request: Request, exc: ControlError) -> JSONResponse:
     kind = "invalid_request_error" if exc.status < 500 else "internal_error"
-    return _error_response(APIError(exc.status, exc.message, exc.param, exc.code, type=kind))
+    return _error_response(APIError(exc.status, exc.message, exc.param, exc.code, type=kind), request.url.path)
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-    return _error_response(APIError(exc.status_code, str(exc.detail), type=kind))
+    return _error_response(APIError(exc.status_code, str(exc.detail), type=kind), request.url.path)
 
 
 # -- the ingress ---------------------------------------------------------------------------------
@@ -581,13 +596,47 @@ class OpenAIIngress:
             if body.stream:
                 gens, heads = await self._open_streams(chat, [messages])
                 events = ResponseEvents(response, chat.tool_calls)
-                return StreamingResponse(self._response_events(gens, heads, events), media_type="text/event-stream")
+                return StreamingResponse(self._typed_events(gens, heads, events), media_type="text/event-stream")
             out = (await self._generate(chat, [messages]))[0]
         except APIError as e:  # the worker names the chat request's fields
             raise e.for_param(responses_param) from None
         finish = out.finish_reason or "length"
         items = output_items(answer_of(out.text, finish, chat.tool_calls), f"msg_{uuid.uuid4().hex}", out.reasoning)
         return response.finished(items, out.result, finish, _speculation_info(out.result))
+
+    @app.post(MESSAGES_PATH, response_model=None)
+    async def messages(self, body: MessagesRequest) -> MessageObject | StreamingResponse:
+        """Anthropic's Messages API on the chat path (router/messages.py)."""
+        try:
+            chat = body.as_chat().use_tool_call_parser(self.args.engine.target.tool_call_parser)
+        except RequestFieldError as e:
+            raise APIError(400, str(e), e.param) from None
+        message_id = f"msg_{uuid.uuid4().hex}"
+        messages = [m.as_template_message() for m in chat.messages]
+        try:
+            if body.stream:
+                gens, heads = await self._open_streams(chat, [messages])
+                events = MessageEvents(message_id, self.model_name, heads[0].num_prompt_tokens, chat.tool_calls)
+                return StreamingResponse(self._typed_events(gens, heads, events), media_type="text/event-stream")
+            out = (await self._generate(chat, [messages]))[0]
+        except APIError as e:  # the worker names the chat request's fields
+            raise e.for_param(messages_param) from None
+        answer = answer_of(out.text, out.finish_reason or "length", chat.tool_calls)
+        return MessageObject.of(message_id, self.model_name, content_blocks(answer, out.reasoning), answer, out.result,
+                                _speculation_info(out.result))
+
+    @app.post(f"{MESSAGES_PATH}/count_tokens")
+    async def count_tokens(self, body: CountTokensRequest) -> CountTokensResponse:
+        """The prompt a Messages request would feed, counted (Anthropic's messages.count_tokens)."""
+        self._check_model(body.model)
+        try:
+            chat = body.as_chat()
+        except RequestFieldError as e:
+            raise APIError(400, str(e), e.param) from None
+        request = GenerateRequest(prompt=[m.as_template_message() for m in chat.messages], tools=chat.template_tools,
+                                  chat_template_kwargs=chat.template_kwargs)
+        tokens = await self._on_worker(self.worker.tokenize.remote(request))
+        return CountTokensResponse(input_tokens=len(tokens.token_ids))
 
     # -- observability and control (docs/deploy.md, "Observability") ---------------------------
     @app.get("/metrics")
@@ -751,10 +800,10 @@ class OpenAIIngress:
             raise _as_api_error(e) from None
         return gens, heads
 
-    async def _response_events(
-        self, gens: list[DeploymentResponseGenerator], heads: list[Chunk], events: ResponseEvents,
+    async def _typed_events(
+        self, gens: list[DeploymentResponseGenerator], heads: list[Chunk], events: ResponseEvents | MessageEvents,
     ) -> AsyncIterator[str]:
-        """A streamed /v1/responses: Responses' typed events over the chat's chunks."""
+        """A streamed /v1/responses or /v1/messages: that API's typed events over the chat's chunks."""
         done = False
         try:
             for event in events.start():
@@ -769,8 +818,7 @@ class OpenAIIngress:
         except _CANCELLED:  # the client went away: nobody to report to
             raise
         except Exception as e:  # the response has started: report in-band, then end the stream
-            error = _as_api_error(e).body.error
-            yield events.error(error.code, error.message, error.param)
+            yield events.error(_as_api_error(e).body.error)
         finally:
             if not done:
                 _cancel(gens)

@@ -16,11 +16,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 DEFAULT_RETRY_AFTER_S = 1
-API_KEY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize",
-                           "/detokenize"})
+API_KEY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                           "/v1/messages/count_tokens", "/v1/models", "/tokenize", "/detokenize"})
 API_KEY_PREFIXES = ("/v1/models/",)  # a model's card
 
-Refusal = Callable[[int, str, str], ASGIApp]  # (status, message, code) -> the response
+Refusal = Callable[[int, str, str, str], ASGIApp]  # (status, message, code, path) -> the response
 
 
 @dataclass
@@ -45,6 +45,12 @@ def bearer_matches(expected: str, authorization: str | None) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected.encode())
 
 
+def api_key_matches(expected: str, headers: dict[bytes, bytes]) -> bool:
+    """The key as OpenAI's clients send it (`Authorization: Bearer`) or Anthropic's (`x-api-key`)."""
+    return bearer_matches(expected, headers.get(b"authorization", b"").decode("latin-1")) or \
+        hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), expected.encode())
+
+
 class RequestGuard:
     """ASGI middleware. Inference paths need the API key (401 before the body is read, so a bad
     body tells an unauthenticated client nothing). A body over `max_request_bytes` is refused (413)
@@ -63,13 +69,12 @@ class RequestGuard:
         headers = dict(scope.get("headers") or [])
         key = SETTINGS.api_key
         path = scope.get("path", "")
-        if key and (path in API_KEY_PATHS or path.startswith(API_KEY_PREFIXES)) and \
-                not bearer_matches(key, headers.get(b"authorization", b"").decode("latin-1")):
-            refusal = self.refuse(401, "missing or incorrect API key: send Authorization: Bearer <api key>",
-                                  "invalid_api_key")
+        if key and (path in API_KEY_PATHS or path.startswith(API_KEY_PREFIXES)) and not api_key_matches(key, headers):
+            refusal = self.refuse(401, "missing or incorrect API key: send Authorization: Bearer <api key> "
+                                       "(or x-api-key: <api key>)", "invalid_api_key", path)
             return await refusal(scope, receive, send)
         limit = SETTINGS.max_request_bytes
-        too_large = self.refuse(413, f"request body exceeds the limit of {limit} bytes", "request_too_large")
+        too_large = self.refuse(413, f"request body exceeds the limit of {limit} bytes", "request_too_large", path)
         length = headers.get(b"content-length")
         if length is not None:
             if length.isdigit() and int(length) > limit:

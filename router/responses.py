@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from router.schemas import (
     ChatCompletionRequest,
+    ErrorBody,
     NamedToolChoice,
     SpeculationInfo,
     SpeculationRequest,
@@ -458,8 +459,8 @@ class ResponseEvents:
         kind = "response.completed" if done.status == "completed" else "response.incomplete"
         return [*events, self._event(kind, response=done)]
 
-    def error(self, code: str | None, message: str, param: str | None) -> str:
-        return self._event("error", code=code, message=message, param=param)
+    def error(self, error: ErrorBody) -> str:
+        return self._event("error", code=error.code, message=error.message, param=error.param)
 
     @property
     def _message_index(self) -> int:

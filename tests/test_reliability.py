@@ -185,6 +185,23 @@ def test_inference_needs_the_api_key(base_url: str) -> None:
         bad.models.list()
 
 
+def test_anthropics_messages_take_the_key_as_anthropics_clients_send_it(base_url: str) -> None:
+    """`x-api-key` (an Anthropic client's api_key) or a bearer token (its auth_token); a refusal
+    in Anthropic's error shape."""
+    import anthropic
+
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    for headers in ({}, {"x-api-key": "wrong"}, {"Authorization": "Bearer wrong"}):
+        r = requests.post(f"{base_url}/v1/messages", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+    keyed = anthropic.Anthropic(base_url=base_url, api_key=API_KEY, max_retries=0, timeout=60)
+    assert keyed.messages.create(**body).usage.output_tokens >= 1
+    bearer = anthropic.Anthropic(base_url=base_url, auth_token=API_KEY, max_retries=0, timeout=60)
+    assert bearer.messages.count_tokens(model=MODEL, messages=body["messages"]).input_tokens > 0
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=base_url, api_key="wrong", max_retries=0, timeout=60).messages.create(**body)
+
+
 def test_policy_writes_and_stats_resets_need_the_admin_token(base_url: str) -> None:
     for headers in ({}, AUTH, {"Authorization": "Bearer wrong"}):
         r = requests.put(f"{base_url}/v1/policy", data=b"version: x", headers=headers, timeout=30)

@@ -760,6 +760,123 @@ def test_bad_responses_request_is_400_naming_the_field(base_url: str, body: dict
     assert r.json()["error"]["param"] == param, r.text
 
 
+def _message_events(base_url: str, body: dict) -> list[tuple[str, dict]]:
+    """A streamed /v1/messages' (event name, data) pairs, the names checked against the types."""
+    with requests.post(f"{base_url}/v1/messages", json={**body, "stream": True}, stream=True, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        blocks = [b for b in r.text.split("\n\n") if b.strip()]
+    events = [(name[len("event: "):], json.loads(data[len("data: "):]))
+              for name, data in (block.split("\n") for block in blocks)]
+    assert all(name == data["type"] for name, data in events)
+    return events
+
+
+def test_messages_answer_as_chat_does_streamed_and_not(client, base_url: str) -> None:
+    """Anthropic's /v1/messages is the chat path: the same text as the chat request it stands for;
+    the anthropic client parses the message and its stream; stop sequences are named."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=24, temperature=0, extra_body={"ignore_eos": True},
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count: one two three"}])
+    body = {"model": MODEL, "system": "Be brief.", "messages": [{"role": "user", "content": "Count: one two three"}],
+            "max_tokens": 24}
+    greedy = {"temperature": 0, "ignore_eos": True}  # sampling fields this SDK no longer sends itself
+    message = claude.messages.create(**body, extra_body=greedy)
+    assert [b.type for b in message.content] == ["text"] and message.content[0].text == chat.choices[0].message.content
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 24
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert message.model_extra["speculation"]["num_steps"] >= 1
+    with claude.messages.stream(**body, extra_body=greedy) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.content[0].text == message.content[0].text and streamed.stop_reason == "max_tokens"
+    events = _message_events(base_url, {**body, **greedy})
+    assert [name for name, _ in events][:2] == ["message_start", "content_block_start"]
+    assert [name for name, _ in events][-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert events[-2][1]["usage"]["output_tokens"] == 24
+
+    stop = message.content[0].text[8:11]
+    stopped = claude.messages.create(**body, stop_sequences=["\x00never", stop], extra_body=greedy)
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
+    assert stopped.content[0].text == message.content[0].text[: message.content[0].text.index(stop)]
+    counted = claude.messages.count_tokens(model=MODEL, system="Be brief.", messages=body["messages"])
+    assert counted.input_tokens == chat.usage.prompt_tokens
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+              "additionalProperties": False}
+    person = claude.messages.create(model=MODEL, max_tokens=40, messages=[{"role": "user", "content": "A person"}],
+                                    output_config={"format": {"type": "json_schema", "schema": schema}},
+                                    extra_body={"temperature": 0})
+    assert set(json.loads(person.content[0].text)) == {"name"} and person.stop_reason == "end_turn"
+
+
+def test_messages_call_tools_and_read_their_results(client, base_url: str) -> None:
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+    function = WEATHER["function"]
+    tool = {"name": function["name"], "description": function["description"], "input_schema": function["parameters"]}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool],
+            "tool_choice": {"type": "any"}, "max_tokens": 60}
+    message = claude.messages.create(**body, extra_body={"temperature": 0})
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and uses and all(set(u.input) == {"city", "unit"} for u in uses)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                          tools=[WEATHER], tool_choice="required", max_tokens=60, temperature=0)
+    assert [u.input for u in uses] == [json.loads(c.function.arguments) for c in chat.choices[0].message.tool_calls]
+    events = _message_events(base_url, {**body, "temperature": 0})
+    partial = [data["delta"]["partial_json"] for name, data in events
+               if name == "content_block_delta" and data["delta"]["type"] == "input_json_delta"]
+    assert [json.loads(p) for p in partial] == [u.input for u in uses]
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+    with claude.messages.stream(**body, extra_body={"temperature": 0}) as stream:
+        assert [b.input for b in stream.get_final_message().content if b.type == "tool_use"] == [u.input for u in uses]
+    named = claude.messages.create(**{**body, "tool_choice": {"type": "tool", "name": "get_weather"}},
+                                   extra_body={"temperature": 0})
+    assert [b.type for b in named.content] == ["tool_use"]
+    # the agent sends the call and its result back: the conversation goes on, as on chat
+    use = uses[0]
+    turn = claude.messages.create(model=MODEL, max_tokens=8, extra_body={"temperature": 0}, tools=[tool],
+                                  tool_choice={"type": "none"},
+                                  messages=[{"role": "user", "content": "Weather in Paris?"},
+                                            {"role": "assistant", "content": [{"type": "tool_use", "id": use.id,
+                                                                               "name": use.name, "input": use.input}]},
+                                            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                                          "content": "18 C"}]}])
+    chat_turn = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, tools=[WEATHER],
+                                               tool_choice="none", messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [{"id": use.id, "type": "function", "function": {
+            "name": use.name, "arguments": json.dumps(use.input)}}]},
+        {"role": "tool", "tool_call_id": use.id, "content": "18 C"}])
+    assert turn.content[0].text == chat_turn.choices[0].message.content
+
+
+@pytest.mark.parametrize(("body", "status", "needle"), [
+    ({"max_tokens": None}, 400, "max_tokens"),
+    ({"temperature": 1.5}, 400, "temperature"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "messages"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search", "input_schema": {}}]}, 400, "tools"),
+    ({"tool_choice": {"type": "tool"}}, 400, "tool_choice"),
+    ({"tool_choice": {"type": "any"}}, 400, "tool_choice"),  # no tools to call
+    ({"stop_sequences": ["x"] * 9}, 400, "stop_sequences"),
+    ({"container": "c_1"}, 400, "container"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}}, 400, "output_config"),
+    ({"max_tokens": 5000}, 400, "max_tokens"),
+    ({"model": "nope"}, 404, "nope"),
+])
+def test_bad_messages_request_is_refused_in_anthropics_shape(base_url: str, body: dict, status: int,
+                                                               needle: str) -> None:
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **body}
+    r = requests.post(f"{base_url}/v1/messages", json={k: v for k, v in request.items() if v is not None}, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()
+    assert error["type"] == "error" and set(error["error"]) == {"type", "message"}
+    assert error["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert needle in error["error"]["message"], error
+
+
 def arguments_text(response) -> str:
     return response.choices[0].message.tool_calls[0].function.arguments
 
