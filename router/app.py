@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from policies.paths import MODEL_DIRS_ENV, allowed_dirs, confine
 from router import guard
+from router.chat_path import RequestFieldError, answer_of
 from router.control import (
     ADMIN_TOKEN_ENV,
     API_KEY_ENV,
@@ -63,11 +64,9 @@ from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.metrics import render as render_metrics
 from router.observation import Observation
 from router.responses import (
-    RequestFieldError,
     ResponseEvents,
     ResponseObject,
     ResponsesRequest,
-    answer_of,
     output_items,
     responses_param,
 )

@@ -25,9 +25,9 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, model_validator
 
-from router.responses import RequestFieldError, answer_of
+from router.chat_path import RequestFieldError, answer_of, chat_request
 from router.schemas import ChatCompletionRequest, ErrorBody, NamedToolChoice, SpeculationInfo, SpeculationRequest
 from router.tools import Answer, ToolChoice
 from workers.result import GenerationResult
@@ -191,13 +191,7 @@ class MessagesRequest(BaseModel):
                 NamedToolChoice(type="function", function={"name": choice.name}).model_dump()
             if choice.disable_parallel_tool_use:
                 body["parallel_tool_calls"] = False
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            error = e.errors()[0]
-            loc = [str(p) for p in error["loc"] if not isinstance(p, int)]
-            field = messages_param(loc[0]) if loc else "messages"
-            raise RequestFieldError(field, f"{field}: {error['msg']}") from None
+        return chat_request(body, messages_param, "messages")
 
     def _messages(self) -> list[dict[str, Any]]:
         """The chat's messages: the system prompt first, a user's tool results as tool messages

@@ -18,8 +18,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
+from router.chat_path import answer_of, chat_request
 from router.schemas import (
     ChatCompletionRequest,
     ErrorBody,
@@ -202,13 +203,7 @@ class ResponsesRequest(BaseModel):
             body["response_format"] = {"type": fmt.type} if fmt.type != "json_schema" else {
                 "type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_,
                                                        "description": fmt.description, "strict": fmt.strict}}
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            error = e.errors()[0]
-            loc = [str(p) for p in error["loc"] if not isinstance(p, int)]
-            field = responses_param(loc[0]) if loc else "input"
-            raise RequestFieldError(field, f"{field}: {error['msg']}") from None
+        return chat_request(body, responses_param, "input")
 
     def _messages(self) -> list[dict[str, Any]]:
         """The chat's messages: instructions first, consecutive function calls as one assistant
@@ -236,14 +231,6 @@ class ResponsesRequest(BaseModel):
 def responses_param(chat_param: str) -> str:
     """The field of a Responses request that a chat request's field came from."""
     return _FIELD_OF_CHAT.get(chat_param, chat_param)
-
-
-class RequestFieldError(ValueError):
-    """A request the chat path refused, naming the Responses field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -355,11 +342,6 @@ class ResponseObject(BaseModel):
             "incomplete_details": IncompleteDetails(reason="max_output_tokens") if incomplete else None,
             "speculation": speculation,
         })
-
-
-def answer_of(text: str, finish_reason: str, tool_calls: ToolChoice | None) -> Answer:
-    """The chat's answer: the text, or the calls it holds."""
-    return Answer(None, text, finish_reason) if tool_calls is None else tool_calls.answer(text, finish_reason)
 
 
 def output_items(answer: Answer, message_id: str, reasoning: str | None = None,
