@@ -3,7 +3,8 @@ path, as vLLM serves it to Anthropic clients (the anthropic SDK, Claude Code).
 
 A request becomes a chat completion request (`as_chat`): `system` the system message, `messages`
 the chat (text blocks joined; an assistant's `tool_use` blocks its tool calls, a user's
-`tool_result` blocks tool messages ahead of its text), `tools` OpenAI's function tools with
+`tool_result` blocks tool messages ahead of its text; a last assistant message is a prefill the
+answer continues), `tools` OpenAI's function tools with
 `input_schema` their parameters, `tool_choice` auto / any / tool / none as "auto" / "required" /
 the named function / "none", `stop_sequences` the stop strings; it is then generated, routed and
 speculated exactly as a chat completion is; `output_config.format` holds the text to a JSON schema
@@ -176,6 +177,8 @@ class MessagesRequest(BaseModel):
             "stop": self.stop_sequences or [],
             "chat_template_kwargs": self.chat_template_kwargs,
         }
+        if self.messages[-1].role == "assistant":  # a prefill: the answer continues the text it starts
+            body.update(add_generation_prompt=False, continue_final_message=True)
         if self.speculation is not None:
             body["speculation"] = self.speculation.model_dump()
         if self.tools:

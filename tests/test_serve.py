@@ -796,6 +796,18 @@ def test_messages_answer_as_chat_does_streamed_and_not(client, base_url: str) ->
     assert [name for name, _ in events][-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert events[-2][1]["usage"]["output_tokens"] == 24
 
+    # a prefill: the last assistant message's text is where the answer starts, as on chat's continue_final_message
+    start = message.content[0].text[:6]
+    prefilled = claude.messages.create(**{**body, "messages": [*body["messages"], {"role": "assistant",
+                                                                                   "content": start}]},
+                                       extra_body=greedy)
+    continued = client.chat.completions.create(
+        model=MODEL, max_tokens=24, temperature=0, messages=[{"role": "system", "content": "Be brief."},
+                                                             {"role": "user", "content": "Count: one two three"},
+                                                             {"role": "assistant", "content": start}],
+        extra_body={"ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False})
+    assert prefilled.content[0].text == continued.choices[0].message.content
+
     stop = message.content[0].text[8:11]
     stopped = claude.messages.create(**body, stop_sequences=["\x00never", stop], extra_body=greedy)
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
