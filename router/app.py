@@ -600,7 +600,8 @@ class OpenAIIngress:
         except APIError as e:  # the worker names the chat request's fields
             raise e.for_param(responses_param) from None
         finish = out.finish_reason or "length"
-        items = output_items(answer_of(out.text, finish, chat.tool_calls), f"msg_{uuid.uuid4().hex}", out.reasoning)
+        items = output_items(answer_of(out.text, finish, chat.tool_calls), f"msg_{uuid.uuid4().hex}", out.reasoning,
+                             logprobs=out.logprobs)
         return response.finished(items, out.result, finish, _speculation_info(out.result))
 
     @app.post(MESSAGES_PATH, response_model=None)
@@ -808,7 +809,7 @@ class OpenAIIngress:
             for event in events.start():
                 yield event
             async for _, chunk in _interleaved(gens, heads):
-                for event in [*events.reasoning(chunk.reasoning), *events.text(chunk.text)]:
+                for event in [*events.reasoning(chunk.reasoning), *events.text(chunk.text, chunk.logprobs)]:
                     yield event
                 if chunk.finish_reason is not None:
                     for event in events.finish(chunk.finish_reason, chunk.result, _speculation_info(chunk.result)):

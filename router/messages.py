@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, model_validato
 from router.chat_path import RequestFieldError, answer_of, chat_request
 from router.schemas import ChatCompletionRequest, ErrorBody, NamedToolChoice, SpeculationInfo, SpeculationRequest
 from router.tools import Answer, ToolChoice
-from workers.result import GenerationResult
+from workers.result import GenerationResult, TokenLogprobs
 
 # what a field of the chat request came from, for error messages
 _FIELD_OF_CHAT = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "output_config"}
@@ -350,7 +350,8 @@ class MessageEvents:
         return [*self._open("thinking"), self._event("content_block_delta", index=self._index,
                                                      delta={"type": "thinking_delta", "thinking": delta})]
 
-    def text(self, delta: str) -> list[str]:
+    def text(self, delta: str, logprobs: list[TokenLogprobs] | None = None) -> list[str]:
+        """`logprobs`: never asked here (Anthropic's API has none); the stream driver's signature."""
         self._held += delta
         content = self._held if self.tool_calls is None else self.tool_calls.streamed_content(self._held)
         new = (content or "")[len(self._sent):]

@@ -7,7 +7,9 @@ A request becomes a chat completion request (`as_chat`): `instructions` the syst
 speculated exactly as a chat completion is. The answer becomes output items (`ResponseObject.of`):
 a `message` with the text, or `function_call` items where tools were called. A stream is
 Responses' typed events (`ResponseEvents`): `response.created`, the items' `added` / `delta` /
-`done` events, `response.completed`. Nothing is stored, so `previous_response_id` and
+`done` events, `response.completed`. `include: ["message.output_text.logprobs"]` asks for the
+output's tokens' logprobs (`top_logprobs` alternatives each), as chat reports them; a reasoning
+model's thinking tokens count among them. Nothing is stored, so `previous_response_id` and
 `background` are refused by name; send the whole conversation as `input`.
 """
 
@@ -22,14 +24,17 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from router.chat_path import answer_of, chat_request
 from router.schemas import (
+    MAX_LOGPROBS,
     ChatCompletionRequest,
+    ChatLogprobs,
+    ChatTokenLogprob,
     ErrorBody,
     NamedToolChoice,
     SpeculationInfo,
     SpeculationRequest,
 )
 from router.tools import Answer, ToolChoice
-from workers.result import GenerationResult
+from workers.result import GenerationResult, TokenLogprobs
 
 # what a field of the chat request came from, for error messages
 _FIELD_OF_CHAT = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
@@ -166,8 +171,10 @@ class ResponsesRequest(BaseModel):
     # state and features this server does not keep
     previous_response_id: None = Field(None, description="refused: nothing is stored; send the whole conversation")
     background: Literal[False] | None = None
-    include: list[str] | None = Field(None, max_length=0, description="no extra output is kept here")
     truncation: Literal["disabled"] | None = None
+    # extra output: each output token's logprob and its top_logprobs likeliest
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # SpecRoute's extensions, as on chat
     seed: int | None = None
     top_k: int = Field(0, ge=-1)
@@ -182,6 +189,10 @@ class ResponsesRequest(BaseModel):
             raise ValueError("holds no input")
         return value
 
+    @property
+    def with_logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or ())
+
     def as_chat(self) -> ChatCompletionRequest:
         """The chat completion request that generates this response. A ValueError names the field
         of this request that the chat request refused."""
@@ -193,6 +204,8 @@ class ResponsesRequest(BaseModel):
         }
         if self.speculation is not None:
             body["speculation"] = self.speculation.model_dump()
+        if self.with_logprobs:
+            body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in self.tools]
@@ -238,6 +251,11 @@ class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = []
+    logprobs: list[ChatTokenLogprob] = []  # with include message.output_text.logprobs
+
+
+def logprobs_of(entries: list[TokenLogprobs] | None) -> list[ChatTokenLogprob]:
+    return [] if not entries else ChatLogprobs.of(entries).content
 
 
 class OutputMessage(BaseModel):
@@ -344,17 +362,18 @@ class ResponseObject(BaseModel):
         })
 
 
-def output_items(answer: Answer, message_id: str, reasoning: str | None = None,
-                 reasoning_id: str = "") -> list[OutputItem]:
-    """The reasoning (where there was some), a message with the answer's text (where it has some),
-    then its function calls."""
+def output_items(answer: Answer, message_id: str, reasoning: str | None = None, reasoning_id: str = "",
+                 logprobs: list[TokenLogprobs] | None = None) -> list[OutputItem]:
+    """The reasoning (where there was some), a message with the answer's text (where it has some;
+    with the output's `logprobs`), then its function calls."""
     items: list[OutputItem] = []
     status = "incomplete" if answer.finish_reason == "length" else "completed"
     if reasoning:
         items.append(OutputReasoning(id=reasoning_id or f"rs_{uuid.uuid4().hex}",
                                      content=[ReasoningText(text=reasoning)]))
     if answer.content or answer.content is not None and answer.calls is None and not reasoning:
-        items.append(OutputMessage(id=message_id, status=status, content=[OutputText(text=answer.content)]))
+        items.append(OutputMessage(id=message_id, status=status,
+                                   content=[OutputText(text=answer.content, logprobs=logprobs_of(logprobs))]))
     for call in answer.calls or []:
         items.append(OutputFunctionCall(id=f"fc_{uuid.uuid4().hex}", call_id=f"call_{uuid.uuid4().hex[:24]}",
                                         name=call.name, arguments=call.arguments))
@@ -378,6 +397,8 @@ class ResponseEvents:
         self._opened = False  # whether the message item has been announced
         self._thought = ""  # the reasoning streamed
         self._thinking = False  # whether the reasoning item is open
+        self._tokens: list[TokenLogprobs] = []  # the output's logprobs so far (include message.output_text.logprobs)
+        self._tokens_sent = 0  # of them, those a text delta carried
 
     def start(self) -> list[str]:
         return [self._event("response.created", response=self.response),
@@ -395,8 +416,11 @@ class ResponseEvents:
         return [*events, self._event("response.reasoning_text.delta", item_id=self.reasoning_id, output_index=0,
                                      content_index=0, delta=delta)]
 
-    def text(self, delta: str) -> list[str]:
+    def text(self, delta: str, logprobs: list[TokenLogprobs] | None = None) -> list[str]:
+        """`logprobs`: the delta's tokens', where the request included them; a text delta carries
+        those of the tokens since the last one (text may be held back while tokens come)."""
         self._held += delta
+        self._tokens += logprobs or []
         content = self._held if self.tool_calls is None else self.tool_calls.streamed_content(self._held)
         new = (content or "")[len(self._sent):]
         if not new:
@@ -404,13 +428,17 @@ class ResponseEvents:
         self._sent += new
         return [*self._open(), self._event("response.output_text.delta", item_id=self.message_id,
                                            output_index=self._message_index, content_index=0, delta=new,
-                                           logprobs=[])]
+                                           logprobs=self._unsent_tokens())]
+
+    def _unsent_tokens(self) -> list[ChatTokenLogprob]:
+        unsent, self._tokens_sent = self._tokens[self._tokens_sent:], len(self._tokens)
+        return logprobs_of(unsent)
 
     def finish(self, finish_reason: str, result: GenerationResult, speculation: SpeculationInfo) -> list[str]:
         answer = answer_of(self._held, finish_reason, self.tool_calls)
         if self._opened and answer.content is None:  # streamed as an answer, cut short: what was sent
             answer = Answer(answer.calls, self._sent, answer.finish_reason)
-        items = output_items(answer, self.message_id, self._thought, self.reasoning_id)
+        items = output_items(answer, self.message_id, self._thought, self.reasoning_id, self._tokens)
         events = self._end_reasoning()
         for index, item in enumerate(items):
             if isinstance(item, OutputReasoning):  # streamed, and ended above
@@ -420,10 +448,10 @@ class ResponseEvents:
                 text = item.content[0].text
                 if rest := text[len(self._sent):]:
                     events.append(self._event("response.output_text.delta", item_id=item.id, output_index=index,
-                                              content_index=0, delta=rest, logprobs=[]))
+                                              content_index=0, delta=rest, logprobs=self._unsent_tokens()))
                 events += [
                     self._event("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
-                                text=text, logprobs=[]),
+                                text=text, logprobs=item.content[0].logprobs),
                     self._event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
                                 part=item.content[0]),
                 ]
@@ -471,8 +499,11 @@ class ResponseEvents:
                             content_index=0, part=OutputText(text=""))]
 
     def _event(self, kind: str, **fields: Any) -> str:
-        payload = {"type": kind, "sequence_number": self._sequence,
-                   **{k: v.model_dump(mode="json", by_alias=True) if isinstance(v, BaseModel) else v
-                      for k, v in fields.items()}}
+        def plain(v: Any) -> Any:
+            if isinstance(v, list):
+                return [plain(x) for x in v]
+            return v.model_dump(mode="json", by_alias=True) if isinstance(v, BaseModel) else v
+
+        payload = {"type": kind, "sequence_number": self._sequence, **{k: plain(v) for k, v in fields.items()}}
         self._sequence += 1
         return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"

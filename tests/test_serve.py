@@ -706,6 +706,27 @@ def test_responses_answer_as_chat_does_streamed_and_not(client, base_url: str) -
     assert followed.output_text == again.choices[0].message.content
 
 
+def test_responses_include_the_outputs_logprobs_streamed_and_not(client, base_url: str) -> None:
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: the output text's tokens'
+    logprobs, the chat's for the same request; streamed, the text deltas carry them in order."""
+    body = {"model": MODEL, "input": "Count: one two three", "max_output_tokens": 12, "temperature": 0,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    response = client.responses.create(**body, extra_body={"ignore_eos": True})
+    logprobs = response.output[0].content[0].logprobs
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": body["input"]}],
+                                          max_tokens=12, temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    assert [(t.token, t.logprob) for t in logprobs] == [(t.token, t.logprob) for t in chat.choices[0].logprobs.content]
+    assert len(logprobs) == 12 and all(len(t.top_logprobs) == 2 for t in logprobs)
+    assert "".join(t.token for t in logprobs) == response.output_text
+    events = _response_events(base_url, {**body, "ignore_eos": True})
+    streamed = [t for name, data in events if name == "response.output_text.delta" for t in data["logprobs"]]
+    done = next(data for name, data in events if name == "response.output_text.done")
+    assert [t["logprob"] for t in streamed] == [t["logprob"] for t in done["logprobs"]] == [t.logprob for t in logprobs]
+    plain = client.responses.create(**{k: v for k, v in body.items() if k not in ("include", "top_logprobs")})
+    assert plain.output[0].content[0].logprobs == []
+
+
 def test_responses_call_functions_and_read_their_outputs(client, base_url: str) -> None:
     tool = {"type": "function", **WEATHER["function"]}
     body = {"model": MODEL, "input": "Weather in Paris?", "tools": [tool], "tool_choice": "required",
@@ -753,6 +774,8 @@ def test_responses_call_functions_and_read_their_outputs(client, base_url: str) 
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x" * 20 + "lorem ipsum " * 600}, "input"),
     ({"temperatur": 1}, "temperatur"),
+    ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
+    ({"top_logprobs": 21}, "top_logprobs"),
 ])
 def test_bad_responses_request_is_400_naming_the_field(base_url: str, body: dict, param: str) -> None:
     r = requests.post(f"{base_url}/v1/responses", json={"model": MODEL, "input": "hi", **body}, timeout=60)
