@@ -171,7 +171,7 @@ def test_token_logprobs_rank_and_clamp() -> None:
     assert got[1].chosen.logprob == pytest.approx(expected[1, 1].item())
     assert [(t.token, t.token_id) for t in got[1].top] == [("c", 2), ("d", 3)]
     assert [t.rank for t in got[1].top] == [1, 2]
-    assert (got[0].chosen.rank, got[1].chosen.rank) == (4, 3)  # a tie with a likelier-listed token counts once
+    assert (got[0].chosen.rank, got[1].chosen.rank) == (4, 3)  # 1 + the strictly likelier: a tie does not count
     assert [t.logprob for t in got[0].top] == pytest.approx(expected[0, :2].tolist())
     assert token_logprobs(logits, [0, 0], 0, TokenText(Chars()))[0].top == ()
 
