@@ -86,7 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from policies.schema import PolicyError
     from policies.stats import MemoryStats
     from workers.engine import SpecEngine
-    from workers.reasoning import PROMPT_TAIL_TOKENS, reasoning_start, reasoning_tokens, split_output
+    from workers.reasoning import prompt_reasoning_start, reasoning_tokens, split_output
     from workers.routing import Router, Speculation
     from workers.routing import generate as route
     from workers.sampling import SamplingParams
@@ -128,7 +128,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     assert result.routing is not None
     thinking: dict[str, Any] = {}
     if config.target.reasoning_parser is not None and not args.raw:  # a chat's thinking apart from its answer
-        start = reasoning_start(engine.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+        start = prompt_reasoning_start(prompt_ids, engine.tokenizer.decode)
         parts = split_output(result.text, start)
         decode = functools.partial(engine.tokenizer.decode, skip_special_tokens=params.skip_special_tokens)
         thinking = {"reasoning": parts.reasoning, "content": parts.content,

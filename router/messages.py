@@ -317,9 +317,12 @@ def content_blocks(answer: Answer, reasoning: str | None = None) -> list[Content
     blocks: list[ContentBlock] = [OutThinking(thinking=reasoning)] if reasoning else []
     if answer.content or not answer.calls and not blocks:
         blocks.append(OutText(text=answer.content or ""))
-    blocks += [OutToolUse(id=f"toolu_{uuid.uuid4().hex[:24]}", name=c.name, input=json.loads(c.arguments))
-               for c in answer.calls or []]
-    return blocks
+    return blocks + tool_uses(answer)
+
+
+def tool_uses(answer: Answer) -> list[OutToolUse]:
+    return [OutToolUse(id=f"toolu_{uuid.uuid4().hex[:24]}", name=c.name, input=json.loads(c.arguments))
+            for c in answer.calls or []]
 
 
 class MessageEvents:
@@ -334,7 +337,6 @@ class MessageEvents:
         self.tool_calls = tool_calls
         self._held = ""  # the chat's text so far
         self._sent = ""  # of it, the answer's text streamed
-        self._thought = ""
         self._block: Literal["thinking", "text"] | None = None  # the open block
         self._index = -1  # the open (or last) block's index
 
@@ -346,7 +348,6 @@ class MessageEvents:
     def reasoning(self, delta: str | None) -> list[str]:
         if not delta:
             return []
-        self._thought += delta
         return [*self._open("thinking"), self._event("content_block_delta", index=self._index,
                                                      delta={"type": "thinking_delta", "thinking": delta})]
 
@@ -372,15 +373,14 @@ class MessageEvents:
         elif self._index < 0 and not answer.calls:  # nothing at all: one empty text block, as a message has
             events += self._open("text")
         events += self._close()
-        for block in content_blocks(answer):
-            if isinstance(block, OutToolUse):
-                self._index += 1
-                events += [
-                    self._event("content_block_start", index=self._index,
-                                content_block={**block.model_dump(), "input": {}}),
-                    self._event("content_block_delta", index=self._index,
-                                delta={"type": "input_json_delta", "partial_json": json.dumps(block.input)}),
-                    self._event("content_block_stop", index=self._index)]
+        for block in tool_uses(answer):
+            self._index += 1
+            events += [
+                self._event("content_block_start", index=self._index,
+                            content_block={**block.model_dump(), "input": {}}),
+                self._event("content_block_delta", index=self._index,
+                            delta={"type": "input_json_delta", "partial_json": json.dumps(block.input)}),
+                self._event("content_block_stop", index=self._index)]
         reason, sequence = stop_reason(answer, result)
         return [*events,
                 self._event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},

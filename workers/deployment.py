@@ -30,13 +30,13 @@ from ray.serve.handle import DeploymentHandle
 
 from policies.records import BatchingStats
 from workers.config import EngineConfig, RoutingConfig
-from workers.reasoning import PROMPT_TAIL_TOKENS, ReasoningSplit, reasoning_start, reasoning_tokens
+from workers.reasoning import ReasoningSplit, prompt_reasoning_start, reasoning_tokens
 from workers.result import GenerationResult, RequestError, StepStats, TokenLogprobs
 from workers.structured import OutputFormat
 
 if TYPE_CHECKING:
     from workers.drafters.remote import DraftCall, DraftReply
-    from workers.engine import SpecEngine
+    from workers.engine import Generation, SpecEngine
     from workers.routing import RoutedBatch, RoutedGeneration, Router
 
 log = logging.getLogger(__name__)
@@ -443,7 +443,7 @@ class TargetWorker:
             raise RequestError(f"cannot tokenize the prediction: {e}", "prediction") from None
         output_format = r.output_format
         if isinstance(r.prompt, list) and engine.config.target.reasoning_parser is not None:
-            start = reasoning_start(engine.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+            start = prompt_reasoning_start(prompt_ids, engine.tokenizer.decode)
             slot.split = ReasoningSplit(start)
             output_format = None if output_format is None else replace(output_format, reasoning=start)
         bad_words = engine.bad_word_ids(r.bad_words)
@@ -504,7 +504,7 @@ class TargetWorker:
             slot.echoed = True
             head = slot.prompt_text
             if logprobs is not None:
-                logprobs = [*_tops(gen.prompt_logprobs or [], gen.params.logprobs or 0), *logprobs]
+                logprobs = [*_echoed_logprobs(gen), *logprobs]
         if not gen.finished:
             text = self.engine.tokenizer.decode(output_ids, skip_special_tokens=gen.params.skip_special_tokens)
             delta = _safe_delta(text, slot.sent_text, gen.params.stop)
@@ -543,8 +543,7 @@ class TargetWorker:
         stats = replace(result, token_ids=[], text="", finish_reason="length", steps=[], logprobs=None,
                         prompt_logprobs=self._prompt_logprobs(slot, result))
         echo = slot.request.echo
-        logprobs = _tops(gen.prompt_logprobs or [], gen.params.logprobs or 0) if echo and gen.logprobs is not None \
-            else None
+        logprobs = _echoed_logprobs(gen) if echo and gen.logprobs is not None else None
         return Chunk([], slot.prompt_text if echo else "", "length", stats, logprobs=logprobs)
 
     @staticmethod
@@ -643,6 +642,11 @@ def _most(*counts: int | None) -> int | None:
     """The most alternatives any use asks for (None: no use)."""
     asked = [n for n in counts if n is not None]
     return max(asked) if asked else None
+
+
+def _echoed_logprobs(gen: Generation) -> list[TokenLogprobs]:
+    """The prompt's logprobs an echo repeats, with its own `logprobs` count of alternatives."""
+    return _tops(gen.prompt_logprobs or [], gen.params.logprobs or 0)
 
 
 def _tops(entries: list[TokenLogprobs], num_top: int) -> list[TokenLogprobs]:

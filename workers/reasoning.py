@@ -33,6 +33,11 @@ def reasoning_start(prompt_tail: str) -> ReasoningStart:
     return "open" if prompt_tail.rfind(THINK_OPEN) > prompt_tail.rfind(THINK_CLOSE) else "closed"
 
 
+def prompt_reasoning_start(prompt_ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> ReasoningStart:
+    """Where an output of this prompt begins, read from the prompt's last tokens."""
+    return reasoning_start(decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+
+
 def reasoning_chars(text: str, start: ReasoningStart) -> int:
     """How much of an output's text is thinking, its tags included (all of it, never closed)."""
     if start == "closed" and not text.lstrip().startswith(THINK_OPEN):
