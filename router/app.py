@@ -740,7 +740,7 @@ class OpenAIIngress:
             output_format=body.output_format,
             tools=body.template_tools, generation_prompt=body.generation_prompt,
             continue_final_message=body.continues_last_message, chat_template_kwargs=body.template_kwargs,
-            priority=body.priority,
+            priority=body.priority, cache_salt=body.cache_salt,
         )
         seed = body.seed
         return [replace(request, **_prompt_fields(prompt), **({} if seed is None else {"seed": seed + i}))

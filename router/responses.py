@@ -180,6 +180,7 @@ class ResponsesRequest(BaseModel):
     top_k: int = Field(0, ge=-1)
     ignore_eos: bool = False
     priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1)
     speculation: SpeculationRequest | None = None
 
     @field_validator("input")
@@ -200,7 +201,7 @@ class ResponsesRequest(BaseModel):
             "model": self.model, "messages": self._messages(), "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "seed": self.seed,
             "top_k": self.top_k, "ignore_eos": self.ignore_eos, "priority": self.priority,
-            "parallel_tool_calls": self.parallel_tool_calls,
+            "cache_salt": self.cache_salt, "parallel_tool_calls": self.parallel_tool_calls,
         }
         if self.speculation is not None:
             body["speculation"] = self.speculation.model_dump()

@@ -20,7 +20,8 @@ verified row is masked by the grammar (workers/structured.py), so speculation st
 a named function's, or with "auto" (the default) calls or an answer, which streams as content.
 On chat, vLLM's `continue_final_message` continues an assistant message the client started (with
 `add_generation_prompt: false`), and `echo` starts the answer's content with it; `priority` (on
-both endpoints) orders admission under the scheduler's priority policy.
+both endpoints) orders admission under the scheduler's priority policy, and `cache_salt` keeps a
+tenant's cached state (reused prompt prefixes, the suffix drafter's memory) to its own requests.
 
 Every field OpenAI defines is accepted. Those that do not change what is generated (`user`,
 `metadata`, ...) are ignored; those this server does not implement (`functions`, `audio`, ...)
@@ -235,6 +236,9 @@ class GenerationRequestBase(BaseModel):
     ignore_eos: bool = Field(False, description="extension: keep generating past end-of-sequence")
     priority: int = Field(0, description="extension, as in vLLM: lower is admitted first, under the scheduler's "
                                          "priority policy (any other value is refused under first come first served)")
+    cache_salt: str | None = Field(
+        None, min_length=1, description="extension, as in vLLM: cached state (reused prompt prefixes, the suffix "
+                                        "drafter's memory of past outputs) is shared only with requests of this salt")
     speculation: SpeculationRequest = Field(default_factory=SpeculationRequest)
     # OpenAI fields that do not change the output: accepted and ignored
     user: str | None = None

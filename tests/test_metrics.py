@@ -207,9 +207,9 @@ def traffic(base_url: str) -> list[dict]:
     return RESPONSES
 
 
-def _chat(base_url: str, text: str, speculation: dict | None = None, max_tokens: int = 24) -> dict:
+def _chat(base_url: str, text: str, speculation: dict | None = None, max_tokens: int = 24, **extra: object) -> dict:
     body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "speculation": speculation or {}}
+            "temperature": 0, "ignore_eos": True, "speculation": speculation or {}, **extra}
     r = requests.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     RESPONSES.append(r.json())
@@ -307,6 +307,17 @@ def test_batching_metrics_count_the_steps(base_url: str, traffic: list[dict]) ->
     # first come first served: nothing preempted (tests/test_priority.py preempts)
     assert [(s.name, s.value) for s in fams["specroute_num_preemptions"]] == [("specroute_num_preemptions_total", 0)]
     assert requests.get(f"{base_url}/v1/stats", timeout=30).json()["batching"]["num_preemptions"] == 0
+
+
+def test_a_salted_request_reuses_no_prefix_of_other_requests(base_url: str, traffic: list[dict]) -> None:
+    """Every prompt of the traffic starts with the chat template's opening, which the replicas hold
+    by now; a request under a salt of its own finds none of it, and answers as unsalted."""
+    text = "Translate to German: good morning"
+    salted = _chat(base_url, text, cache_salt=f"tenant-{uuid.uuid4().hex}")
+    assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    unsalted = _chat(base_url, text)
+    assert salted["choices"][0]["message"]["content"] == unsalted["choices"][0]["message"]["content"]
+    assert salted["usage"]["prompt_tokens"] == unsalted["usage"]["prompt_tokens"]
 
 
 def test_suffix_cache_size_is_reported(base_url: str, traffic: list[dict]) -> None:

@@ -70,6 +70,24 @@ def test_a_partial_match_is_copied_and_the_held_sequence_stays() -> None:
     assert prefix.longest([5, 6, 1, 3], [live]) == 3 and prefix.longest([5, 6, 7, 8, 9]) == 4
 
 
+def test_a_salted_prefix_is_reused_by_requests_of_its_salt_alone() -> None:
+    pool = _pool()
+    prefix = PrefixCache(pool)
+    tenant = _fill(pool, [5, 6, 7, 8])
+    prefix.release(tenant, [5, 6, 7, 8], None, salt="tenant-a")
+    assert prefix.held[tenant.slot].salt == "tenant-a"
+    assert prefix.longest([5, 6, 7, 8, 9]) == 0 and prefix.longest([5, 6, 7, 8, 9], salt="tenant-b") == 0
+    assert prefix.longest([5, 6, 7, 8, 9], salt="tenant-a") == 4
+    other = prefix.plan([5, 6, 7, 8, 9], salt="tenant-b")
+    assert other.length == 0 and other.slot != tenant.slot  # the held slot is not even taken
+    assert prefix.plan([5, 6, 7, 8, 9], salt="tenant-a") == Reuse(tenant.slot, 4, None, None)
+    # a running sequence shares the same way
+    live = LiveSequence(tenant.slot, [5, 6, 7], None, "tenant-a")
+    assert prefix.longest([5, 6, 7], [live]) == 0 and prefix.longest([5, 6, 7], [live], "tenant-a") == 3
+    unsalted = LiveSequence(2, [1, 2, 3], None)
+    assert prefix.longest([1, 2, 3], [unsalted], "tenant-a") == 0 and prefix.longest([1, 2, 3], [unsalted]) == 3
+
+
 def test_slots_go_to_empty_ones_first_then_the_least_recently_used_held() -> None:
     pool = _pool(num_slots=3)
     prefix = PrefixCache(pool)
@@ -180,6 +198,29 @@ def test_requests_arriving_together_prefill_their_shared_prefix_once(engine: Spe
     assert gens[0].num_cached == 0 and gens[1].num_cached == gens[2].num_cached
     assert system_len - WAIT_FOR_PREFIX_TOKENS < gens[1].num_cached <= system_len
     assert [g.output_ids for g in gens] == [g.output_ids for g in _run(fresh, prompts, params)]
+
+
+def test_requests_of_other_salts_neither_wait_for_nor_reuse_a_prefix(engine: SpecEngine) -> None:
+    """The same prompt under two salts, added at once: the second neither waits for the first's
+    prefill nor copies it; a third of the first's salt, after both, finds it; outputs unchanged."""
+    params = SamplingParams(max_tokens=6)
+    prompt = _chat(engine, QUESTIONS[0])
+    batch = BatchEngine(engine)
+    a = batch.add(prompt, params, cache_salt="tenant-a")
+    b = batch.add(prompt, params, cache_salt="tenant-b")
+    batch.schedule()
+    assert a.cache is not None and b.cache is not None  # no waiting on a prefix of another salt
+    while batch.num_unfinished:
+        batch.schedule()
+        assert not batch.step().failed
+    assert a.num_cached == b.num_cached == 0
+    again = batch.add(prompt, params, cache_salt="tenant-a")
+    unsalted = batch.add(prompt, params)
+    while batch.num_unfinished:
+        batch.schedule()
+        assert not batch.step().failed
+    assert again.num_cached == len(prompt) - 1 and unsalted.num_cached == 0
+    assert a.output_ids == b.output_ids == again.output_ids == unsalted.output_ids
 
 
 def test_a_cancelled_request_keeps_its_prefix_for_the_one_waiting_on_it(engine: SpecEngine) -> None:

@@ -776,6 +776,7 @@ def test_responses_call_functions_and_read_their_outputs(client, base_url: str) 
     ({"temperatur": 1}, "temperatur"),
     ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
     ({"top_logprobs": 21}, "top_logprobs"),
+    ({"cache_salt": ""}, "cache_salt"),
 ])
 def test_bad_responses_request_is_400_naming_the_field(base_url: str, body: dict, param: str) -> None:
     r = requests.post(f"{base_url}/v1/responses", json={"model": MODEL, "input": "hi", **body}, timeout=60)
@@ -1029,6 +1030,8 @@ LONG_PROMPT = "lorem ipsum " * 600  # > 1024 tokens, the tiny config's max_model
     ("chat", {"bad_words": ["  "]}, "bad_words"),
     ("chat", {"bad_words": ["x"], "response_format": {"type": "json_object"}}, "bad_words"),
     ("chat", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("chat", {"cache_salt": ""}, "cache_salt"),
+    ("completions", {"prompt": "hi", "cache_salt": 7}, "cache_salt"),
 ])
 def test_bad_request_is_400_naming_the_field(base_url: str, path: str, body: dict, param: str) -> None:
     default = {"messages": [{"role": "user", "content": "hi"}]} if path == "chat" else {}

@@ -134,6 +134,21 @@ def test_a_match_never_spans_two_requests() -> None:
     assert propose(drafter, [9, 4, 5], 3, "d") == [6]
 
 
+def test_salted_requests_read_and_feed_their_salt_s_memory_alone() -> None:
+    drafter = make(min_n=2)
+    salted = ctx([1, 2, 3, 4, 5], "d")
+    salted.cache_salt = "tenant-a"
+    drafter.learn(salted)
+    assert propose(drafter, [9, 2, 3], 3, "d") == []  # unsalted: nothing learnt
+    other = ctx([9, 2, 3], "d")
+    other.cache_salt = "tenant-b"
+    assert drafter.propose(drafter.begin(other), other, 3).token_ids.tolist() == []
+    same = ctx([9, 2, 3], "d")
+    same.cache_salt = "tenant-a"
+    assert drafter.propose(drafter.begin(same), same, 3).token_ids.tolist() == [4, 5]
+    assert drafter.memory().tokens == {"d": 6}  # reported per domain, over its salts
+
+
 def test_budget_evicts_the_oldest_requests_across_domains() -> None:
     caches = SuffixCaches(2, 4, max_tokens=12)
     caches.add("a", [1, 2, 3, 4, 5])  # 6 with its separator
@@ -141,11 +156,13 @@ def test_budget_evicts_the_oldest_requests_across_domains() -> None:
     assert caches.sizes() == {"a": 6, "b": 6}
     caches.add("a", [11, 12, 13])  # 16 > 12: the oldest ("a"'s first) goes
     assert caches.sizes() == {"a": 4, "b": 6} and caches.num_tokens == 10
-    a = caches.domains["a"]
+    a = caches.index("a")
     assert all(p >= a.start for ps in a.after.values() for p in ps)
     assert (1, 2) not in a.after and a.after[(11, 12)] == [a.start + 2]
     caches.add("c", list(range(20, 40)))  # longer than the budget: its tail alone
     assert caches.sizes() == {"c": 12} and caches.num_tokens == 12
+    caches.add("c", [1, 2, 3], salt="s")  # salts share the budget: the oldest request of any goes
+    assert caches.sizes() == {"c": 4} and caches.index("c") is None and len(caches.index("c", "s")) == 4
     assert SuffixCaches(2, 4, max_tokens=0).sizes() == {}
 
 

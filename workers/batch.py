@@ -103,15 +103,16 @@ class BatchEngine:
 
     def add(self, prompt_ids: list[int], params: SamplingParams,
             on_step: Callable[[StepStats], None] | None = None, domain: str | None = None,
-            priority: int = 0) -> Generation:
+            priority: int = 0, cache_salt: str | None = None) -> Generation:
         """Queue a request (checked now: a bad one raises RequestError); it starts when admitted.
         `domain`: its routing domain (see DraftContext.domain); `priority`: lower goes first,
-        under the priority policy."""
+        under the priority policy; `cache_salt`: what it may share (DraftContext.cache_salt)."""
         self.engine.check_request(prompt_ids, params)
         if priority and self.config.policy != "priority":
             raise RequestError(f"priority {priority}: this server schedules first come first served "
                                "(scheduler.policy: priority takes priorities)", "priority")
-        gen = Generation(self.engine, prompt_ids, params, on_step, prefill=False, domain=domain, priority=priority)
+        gen = Generation(self.engine, prompt_ids, params, on_step, prefill=False, domain=domain, priority=priority,
+                         cache_salt=cache_salt)
         self._enqueue(gen)
         return gen
 
@@ -300,7 +301,7 @@ class BatchEngine:
 
     def _live(self) -> list[LiveSequence]:
         """The running requests' sequences as far as another prompt may reuse them."""
-        return [LiveSequence(g.cache.slot, self._shared(g), g.ctx.features)
+        return [LiveSequence(g.cache.slot, self._shared(g), g.ctx.features, g.ctx.cache_salt)
                 for g in self.running if g.cache is not None]
 
     def _awaits_prefix(self, gen: Generation) -> bool:
@@ -308,17 +309,17 @@ class BatchEngine:
         WAIT_FOR_PREFIX_TOKENS more of its prompt than the pool does now, which `gen` then copies
         instead of prefilling the same positions beside it."""
         assert self.prefix is not None
-        reusable = self._prompt_reusable(gen)
+        reusable, salt = self._prompt_reusable(gen), gen.ctx.cache_salt
         coming = max((common_prefix_len(self._shared(g, len(g.ctx.token_ids) - 1), reusable)
-                      for g in self.running if g.num_to_prefill), default=0)
+                      for g in self.running if g.num_to_prefill and g.ctx.cache_salt == salt), default=0)
         return (coming >= WAIT_FOR_PREFIX_TOKENS
-                and coming - self.prefix.longest(reusable, self._live()) >= WAIT_FOR_PREFIX_TOKENS)
+                and coming - self.prefix.longest(reusable, self._live(), salt) >= WAIT_FOR_PREFIX_TOKENS)
 
     def _attach_reusing(self, gen: Generation) -> None:
         """Start `gen` with the longest prefix of its prompt the pool holds, then keep the held
         prefixes within the KV memory the running requests leave."""
         assert self.prefix is not None
-        reuse = self.prefix.plan(self._prompt_reusable(gen), self._live())
+        reuse = self.prefix.plan(self._prompt_reusable(gen), self._live(), gen.ctx.cache_salt)
         # a resumed request's prompt was counted at its first admission
         gen.attach(self.prefix.claim(reuse, 0 if gen.num_preemptions else gen.num_prompt), reuse.features)
         if self.kv_cache_tokens is not None:
@@ -343,7 +344,7 @@ class BatchEngine:
             gen.release_cache()
             return
         shared = self._shared(gen)  # while it holds its cache
-        self.prefix.release(gen.detach_cache(), shared, gen.ctx.features)
+        self.prefix.release(gen.detach_cache(), shared, gen.ctx.features, gen.ctx.cache_salt)
 
     def _forward(self, inputs: Sequence[SeqInput]) -> list[ForwardOutput]:
         return forward_rows(self.engine.target.model, inputs, self.engine.needs_hidden_states)

@@ -84,6 +84,7 @@ class GenerateRequest:
     continue_final_message: bool = False  # the output continues the chat's last message, left open
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template (vLLM's)
     priority: int = 0  # lower first, under the scheduler's priority policy
+    cache_salt: str | None = None  # vLLM's: cached state is shared only with requests of the same salt
 
     @property
     def prompt_param(self) -> str:
@@ -465,7 +466,7 @@ class TargetWorker:
             raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
         speculation = self._routing_mod.Speculation(r.drafter, r.draft_len, r.domain)
         try:
-            slot.gen = self.batch.add(prompt_ids, params, text, speculation, r.priority)
+            slot.gen = self.batch.add(prompt_ids, params, text, speculation, r.priority, r.cache_salt)
         except RequestError as e:  # the engine names its own arguments; the client sent these fields
             param = {"prompt": r.prompt_param, "drafter": "speculation.drafter"}.get(e.param, e.param)
             raise RequestError(e.message, param, e.code) from None

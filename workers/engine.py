@@ -95,12 +95,14 @@ class Generation:
         prefill: bool = True,
         domain: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         """`prefill`: give the request a cache of its own and prefill the prompt now; else the
         scheduler (workers/batch.py) attaches a cache from its pool when it admits the request
         (`attach`) and prefills it in chunks (`prefill_input`, `complete_prefill`). `domain`: the
         request's routing domain, for drafters that learn from traffic (DraftContext.domain).
-        `priority`: the scheduler's (lower first), where it schedules by priority."""
+        `priority`: the scheduler's (lower first), where it schedules by priority. `cache_salt`:
+        the requests it shares cached state with (DraftContext.cache_salt)."""
         self.engine = engine
         self.priority = priority
         self.params = params
@@ -116,7 +118,7 @@ class Generation:
         self._stop_search_from: int | None = None  # where stop strings may start to count (min_tokens)
         # a guided step masks a chain's rows, so its drafters draft chains, as for a row-invariant target
         self.ctx = DraftContext(list(prompt_ids), params, make_generator(params.seed, self.device), max_len,
-                                num_prompt=len(prompt_ids), domain=domain,
+                                num_prompt=len(prompt_ids), domain=domain, cache_salt=cache_salt,
                                 exact_tree=engine.exact_tree and self.guide is None, guide=self.guide)
         self.with_hidden = engine.needs_hidden_states
         if self.with_hidden:
@@ -699,10 +701,12 @@ class SpecEngine:
     def start(
         self, prompt_ids: list[int], params: SamplingParams,
         on_step: Callable[[StepStats], None] | None = None, domain: str | None = None,
+        cache_salt: str | None = None,
     ) -> Generation:
-        """`domain`: the request's routing domain (DraftContext.domain)."""
+        """`domain`: the request's routing domain (DraftContext.domain); `cache_salt`: what it
+        shares (DraftContext.cache_salt)."""
         self.check_request(prompt_ids, params)
-        return Generation(self, prompt_ids, params, on_step, domain=domain)
+        return Generation(self, prompt_ids, params, on_step, domain=domain, cache_salt=cache_salt)
 
     def stream(
         self, prompt_ids: list[int], params: SamplingParams, drafter: str = PLAIN,

@@ -16,6 +16,10 @@ instead a request whose prompt starts like one a running request is still prefil
 that prefix is in the pool and copies it (SGLang's in-batch prefix caching), letting the requests
 behind it pass meanwhile.
 
+A request's `cache_salt` (vLLM's) bounds what it shares: it reuses, and leaves for reuse, only the
+positions of requests with the same salt (none: of unsalted ones), so a tenant whose prompts are
+salted cannot learn from a request's time to first token what another tenant's prompts held.
+
 Reuse is exact only where keys and values do not depend on how they were computed (in which
 prompt chunk, beside which rows): on a `batch_invariant` target a request's output is bit for bit
 the same with or without it, which is where `SchedulerConfig.enable_prefix_caching` turns it on by
@@ -45,6 +49,7 @@ class HeldPrefix:
     token_ids: list[int]  # the tokens at positions 0, 1, ... of the slot
     features: torch.Tensor | None  # [len, hidden] the target's final hidden states there, where drafters read them
     last_used: int  # the cache's clock when it was kept or last copied from: the oldest is evicted first
+    salt: str | None = None  # the cache_salt of the request that left it: only its like reuse it
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class LiveSequence:
     slot: int
     token_ids: Sequence[int]  # the tokens whose keys and values the slot holds
     features: torch.Tensor | None  # [>= len(token_ids), hidden], where drafters read them
+    salt: str | None = None  # the request's cache_salt: only requests with the same one reuse it
 
 
 @dataclass(frozen=True)
@@ -90,16 +96,18 @@ class PrefixCache:
     def num_held_tokens(self) -> int:
         return sum(len(h.token_ids) for h in self.held.values())
 
-    def longest(self, reusable: Sequence[int], running: Iterable[LiveSequence] = ()) -> int:
-        """How many of the tokens `reusable` the pool holds now, in a held or a running slot."""
-        return self._best(reusable, running)[1]
+    def longest(self, reusable: Sequence[int], running: Iterable[LiveSequence] = (), salt: str | None = None) -> int:
+        """How many of the tokens `reusable` the pool holds now for a request salted `salt`, in a
+        held or a running slot."""
+        return self._best(reusable, running, salt)[1]
 
-    def plan(self, reusable: Sequence[int], running: Iterable[LiveSequence] = ()) -> Reuse:
+    def plan(self, reusable: Sequence[int], running: Iterable[LiveSequence] = (), salt: str | None = None) -> Reuse:
         """Where a prompt whose first tokens `reusable` may come from the pool starts (a free slot
-        must exist). The longest shared prefix wins; a held slot is taken in place only where the
-        prompt continues all it holds (nothing is lost), else the prefix is copied into an empty
-        slot, or into the least recently used held one."""
-        best, best_len = self._best(reusable, running)
+        must exist), for a request salted `salt`. The longest shared prefix of the same salt wins;
+        a held slot is taken in place only where the prompt continues all it holds (nothing is
+        lost), else the prefix is copied into an empty slot, or into the least recently used held
+        one."""
+        best, best_len = self._best(reusable, running, salt)
         if best is not None and best.slot in self.held and best_len == len(best.token_ids):
             return Reuse(best.slot, best_len, None, best.features)
         source = best.slot if best is not None else None
@@ -129,14 +137,16 @@ class PrefixCache:
         self.num_hit_tokens += min(reuse.length, num_prompt_tokens)
         return cache
 
-    def release(self, cache: PooledKVCache, token_ids: Sequence[int], features: torch.Tensor | None) -> None:
-        """Free a request's slot, keeping what it holds of `token_ids` (and `features`)."""
+    def release(self, cache: PooledKVCache, token_ids: Sequence[int], features: torch.Tensor | None,
+                salt: str | None = None) -> None:
+        """Free a request's slot, keeping what it holds of `token_ids` (and `features`) for the
+        requests salted `salt`."""
         keep = min(cache.length, len(token_ids))
         slot = cache.slot
         self.pool.release(cache, keep)
         if keep:
             kept = None if features is None else features[:keep].clone()  # the request's buffer is max_len long
-            self.held[slot] = HeldPrefix(list(token_ids[:keep]), kept, next(self._clock))
+            self.held[slot] = HeldPrefix(list(token_ids[:keep]), kept, next(self._clock), salt)
 
     def evict(self, max_tokens: int) -> None:
         """Drop the least recently used held prefixes until they hold at most `max_tokens`."""
@@ -145,13 +155,16 @@ class PrefixCache:
             del self.held[slot]
             self.pool.forget(slot)
 
-    def _best(self, reusable: Sequence[int], running: Iterable[LiveSequence]) -> tuple[LiveSequence | None, int]:
-        """The sequence sharing the longest prefix with `reusable`, and its length; a tie goes to a
-        held slot, which may be taken in place."""
+    def _best(self, reusable: Sequence[int], running: Iterable[LiveSequence],
+              salt: str | None) -> tuple[LiveSequence | None, int]:
+        """The sequence salted `salt` sharing the longest prefix with `reusable`, and its length; a
+        tie goes to a held slot, which may be taken in place."""
         best: LiveSequence | None = None
         best_len = 0
-        candidates = [LiveSequence(slot, h.token_ids, h.features) for slot, h in self.held.items()]
+        candidates = [LiveSequence(slot, h.token_ids, h.features, h.salt) for slot, h in self.held.items()]
         for seq in [*candidates, *running]:
+            if seq.salt != salt:
+                continue
             n = common_prefix_len(seq.token_ids, reusable)
             if n > best_len or (n == best_len and n and seq.slot in self.held and best.slot not in self.held):
                 best, best_len = seq, n

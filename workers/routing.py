@@ -309,9 +309,11 @@ class Router:
     def start(
         self, prompt_ids: list[int], params: SamplingParams, text: str,
         speculation: Speculation = Speculation(), batch: BatchEngine | None = None, priority: int = 0,
+        cache_salt: str | None = None,
     ) -> RoutedGeneration:
         """Classify, plan and prefill one request (`batch`: queue it there instead, prefilled
-        by the batch's steps, with `priority`). Raises RequestError for a bad request."""
+        by the batch's steps, with `priority`), sharing cached state with requests of its
+        `cache_salt` alone. Raises RequestError for a bad request."""
         policy, classifier = self._active
         drafter, k = speculation.drafter, speculation.draft_len
         if drafter not in (AUTO, PLAIN) and drafter not in self.engine.drafters:
@@ -354,8 +356,8 @@ class Router:
         )
         # cheap drafters the domain allows are scored on every step, whichever one runs
         shadow = [d for d in dp.drafters if d in usable and self.engine.drafters[d].cheap]
-        gen = (self.engine.start(prompt_ids, params, domain=domain) if batch is None
-               else batch.add(prompt_ids, params, domain=domain, priority=priority))
+        gen = (self.engine.start(prompt_ids, params, domain=domain, cache_salt=cache_salt) if batch is None
+               else batch.add(prompt_ids, params, domain=domain, priority=priority, cache_salt=cache_salt))
         return RoutedGeneration(self, gen, policy, classification, plan, controller, shadow,
                                 candidates if plan.reason != FORCED else ())
 
@@ -566,10 +568,12 @@ class RoutedBatch:
         return len(self.batch.waiting)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, text: str,
-            speculation: Speculation = Speculation(), priority: int = 0) -> RoutedGeneration:
-        """Classify, plan and queue a request (`priority`: the scheduler's). Raises RequestError for
-        a bad request."""
-        routed = self.router.start(prompt_ids, params, text, speculation, batch=self.batch, priority=priority)
+            speculation: Speculation = Speculation(), priority: int = 0,
+            cache_salt: str | None = None) -> RoutedGeneration:
+        """Classify, plan and queue a request (`priority`: the scheduler's; `cache_salt`: the
+        requests it shares cached state with). Raises RequestError for a bad request."""
+        routed = self.router.start(prompt_ids, params, text, speculation, batch=self.batch, priority=priority,
+                                   cache_salt=cache_salt)
         self.requests[routed.gen] = routed
         return routed
 

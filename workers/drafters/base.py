@@ -51,6 +51,10 @@ class DraftContext:
     # the routing domain of a request served as traffic; None (calibration, a bare engine call):
     # drafters that learn from traffic neither read nor feed a domain's memory for it
     domain: str | None = None
+    # vLLM's cache_salt: the request shares what it leaves in caches (reused prefixes, a domain's
+    # traffic memory) only with requests of the same salt (None: with unsalted ones), so no tenant
+    # reads another's traffic in its timings
+    cache_salt: str | None = None
     # the target scores every node of a draft tree as plain decoding would; False on a row-invariant
     # target, which scores only a tree's leading chain so (workers/verify.py): only that chain can
     # add tokens past the one the root's row gives

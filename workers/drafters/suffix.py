@@ -4,7 +4,8 @@ past outputs of its domain (SuffixDecoding, Oliaro et al., NeurIPS'25; vLLM's `s
 Prompt lookup (`ngram`) reads only the request's own context. Served traffic also repeats across
 requests: agents call the same tools, extraction jobs emit the same keys, templated requests get
 templated answers. This drafter keeps one index per domain over the outputs that domain served
-(`SuffixCaches`, bounded by a token budget: the oldest requests go first) and one per request over
+(`SuffixCaches`, bounded by a token budget: the oldest requests go first; salted requests,
+vLLM's `cache_salt`, read and feed their salt's own) and one per request over
 its prompt and output. A proposal reads the continuations of the longest match, in both at once,
 and follows the most frequent one while its estimated acceptance (the share of occurrences that
 continue that way, times the path so far) stays >= `min_token_prob` (with `tree`: the likeliest
@@ -110,40 +111,52 @@ def draw(matches: Sequence[Match], depth: int, min_prob: float, generator: torch
     return Proposal(tokens, tuple(range(-1, len(tokens) - 1)), tuple(shares))
 
 
+MemoryKey = tuple[str, str | None]  # (domain, cache_salt): the requests whose outputs one index keeps
+
+
 class SuffixCaches:
-    """Past outputs per domain, in one token budget over all domains: past it, the oldest request
-    is evicted first. Thread-safe: requests on other threads may read while one adds."""
+    """Past outputs per domain and cache salt (requests of other salts never read them), in one
+    token budget over all: past it, the oldest request is evicted first. Thread-safe: requests on
+    other threads may read while one adds."""
 
     def __init__(self, min_n: int, max_n: int, max_tokens: int) -> None:
         self.min_n, self.max_n, self.max_tokens = min_n, max_n, max_tokens
-        self.domains: dict[str, TokenIndex] = {}
-        self._order: deque[tuple[str, int]] = deque()  # per request kept: (domain, absolute end)
+        self.indexes: dict[MemoryKey, TokenIndex] = {}
+        self._order: deque[tuple[MemoryKey, int]] = deque()  # per request kept: (its index, absolute end)
         self.num_tokens = 0
         self.lock = threading.Lock()
 
-    def add(self, domain: str, output_ids: Sequence[int]) -> None:
+    def add(self, domain: str, output_ids: Sequence[int], salt: str | None = None) -> None:
         if not output_ids or self.max_tokens < 2:  # room for one token and its separator at least
             return
         kept = list(output_ids[-(self.max_tokens - 1) :])
+        key = (domain, salt)
         with self.lock:
-            index = self.domains.get(domain)
+            index = self.indexes.get(key)
             if index is None:
-                index = self.domains[domain] = TokenIndex(self.min_n, self.max_n)
+                index = self.indexes[key] = TokenIndex(self.min_n, self.max_n)
             index.extend([*kept, SEPARATOR])
-            self._order.append((domain, index.end))
+            self._order.append((key, index.end))
             self.num_tokens += len(kept) + 1
             while self.num_tokens > self.max_tokens:
                 oldest, end = self._order.popleft()
-                evicted = self.domains[oldest]
+                evicted = self.indexes[oldest]
                 self.num_tokens -= end - evicted.start
                 evicted.evict(end)
                 if not len(evicted):
-                    del self.domains[oldest]
+                    del self.indexes[oldest]
+
+    def index(self, domain: str, salt: str | None = None) -> TokenIndex | None:
+        """The past outputs a request of `domain` salted `salt` reads (hold `lock` while reading)."""
+        return self.indexes.get((domain, salt))
 
     def sizes(self) -> dict[str, int]:
-        """Tokens kept per domain (separators included: they are the budget's units too)."""
+        """Tokens kept per domain, over its salts (separators included: they are the budget's units too)."""
+        sizes: dict[str, int] = {}
         with self.lock:
-            return {domain: len(index) for domain, index in self.domains.items()}
+            for (domain, _), index in self.indexes.items():
+                sizes[domain] = sizes.get(domain, 0) + len(index)
+        return sizes
 
 
 @dataclass
@@ -206,7 +219,7 @@ class SuffixDrafter:
         state.own.extend(ids[state.own.end :])
         matches = state.own.matches(ids, cfg.max_depth, cfg.max_occurrences)
         with self.caches.lock:  # a past output's tokens are read until the proposal is grown
-            if ctx.domain is not None and (past := self.caches.domains.get(ctx.domain)) is not None:
+            if ctx.domain is not None and (past := self.caches.index(ctx.domain, ctx.cache_salt)) is not None:
                 matches += past.matches(ids, cfg.max_depth, cfg.max_occurrences)
             for length in sorted({m.length for m in matches}, reverse=True)[:MAX_MATCH_LENGTHS]:
                 depth = min(k, int(cfg.max_spec_factor * length + cfg.max_spec_offset))
@@ -221,9 +234,10 @@ class SuffixDrafter:
         pass
 
     def learn(self, ctx: DraftContext) -> None:
-        """A request of `ctx.domain` finished (or stopped): its output joins that domain's cache."""
+        """A request of `ctx.domain` finished (or stopped): its output joins that domain's cache,
+        for the requests of its salt."""
         if ctx.domain is not None:
-            self.caches.add(ctx.domain, ctx.token_ids[ctx.num_prompt :])
+            self.caches.add(ctx.domain, ctx.token_ids[ctx.num_prompt :], ctx.cache_salt)
 
     def memory(self) -> TrafficMemory:
         return TrafficMemory(self.caches.sizes(), self.caches.max_tokens)
