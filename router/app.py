@@ -360,6 +360,14 @@ def _prompt_fields(prompt: Prompt) -> dict[str, Any]:
     return {"prompt": prompt}
 
 
+def _token_ids(body: GenerationRequestBase, out: Chunk, prompt: bool = False) -> dict[str, list[int] | None]:
+    """A choice's token ids where the request asked (vLLM's return_token_ids): the output's and,
+    with `prompt`, the prompt's."""
+    if not body.return_token_ids:
+        return {}
+    return {"token_ids": out.token_ids, **({"prompt_token_ids": out.result.prompt_token_ids} if prompt else {})}
+
+
 def _usage(results: list[GenerationResult], n: int) -> Usage:
     """A request's usage from its choices' results in index order (`n` per prompt): each prompt once,
     every choice's completion."""
@@ -421,10 +429,16 @@ async def _interleaved(
 
 
 def _sse(data: BaseModel | dict[str, Any], drop: tuple[str, ...] = ()) -> str:
+    """One SSE event; the keys `drop` leaves out where null, as are a choice's token ids (vLLM's
+    return_token_ids) where not asked for."""
     payload = data.model_dump(mode="json") if isinstance(data, BaseModel) else data
     for key in drop:
         if payload.get(key) is None:
             payload.pop(key, None)
+    for choice in payload.get("choices") or ():
+        for key in ("token_ids", "prompt_token_ids"):
+            if key in choice and choice[key] is None:
+                del choice[key]
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
@@ -497,9 +511,11 @@ class OpenAIIngress:
             return shaped
 
         def chunk(index: int, text: str, finish: str | None = None, spec: SpeculationInfo | None = None,
-                  logprobs: list[TokenLogprobs] | None = None, reasoning: str | None = None) -> CompletionChunk:
+                  logprobs: list[TokenLogprobs] | None = None, reasoning: str | None = None,
+                  token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None) -> CompletionChunk:
             choice = CompletionChoice(index=index, text=text, finish_reason=finish,
-                                      logprobs=logprobs_of(index, logprobs))
+                                      logprobs=logprobs_of(index, logprobs), token_ids=token_ids,
+                                      prompt_token_ids=prompt_token_ids)
             return CompletionChunk(id=request_id, created=created, model=self.model_name,
                                    choices=[choice], speculation=spec)
 
@@ -511,7 +527,8 @@ class OpenAIIngress:
             choices=[CompletionChoice(index=i, text=out.text, finish_reason=out.finish_reason,
                                       stop_reason=out.result.stop_reason, logprobs=logprobs_of(i, out.logprobs),
                                       prompt_logprobs=prompt_logprobs_of(out.result.prompt_logprobs,
-                                                                         body.return_tokens_as_token_ids))
+                                                                         body.return_tokens_as_token_ids),
+                                      **_token_ids(body, out, prompt=True))
                      for i, out in enumerate(outs)],
             usage=_usage([out.result for out in outs], body.n), speculation=_speculation_info(outs[0].result),
         )
@@ -529,7 +546,8 @@ class OpenAIIngress:
 
         def chunk(index: int, text: str, finish: str | None = None, spec: SpeculationInfo | None = None,
                   role: str | None = None, logprobs: list[TokenLogprobs] | None = None,
-                  reasoning: str | None = None) -> ChatCompletionChunk | None:
+                  reasoning: str | None = None, token_ids: list[int] | None = None,
+                  prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk | None:
             if reasoning and not body.include_reasoning:
                 if not (text or finish or role or logprobs):
                     return None
@@ -550,10 +568,11 @@ class OpenAIIngress:
                     rest = None if answer.content is None else answer.content[len(sent[index]):]
                     delta = ChatDelta(content=rest, reasoning=reasoning, tool_calls=None if answer.calls is None else [
                         ToolCallDelta(index=i, **_tool_call(c).model_dump()) for i, c in enumerate(answer.calls)])
-            choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=None if logprobs is None
+            choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, token_ids=token_ids,
+                                     logprobs=None if logprobs is None
                                      else ChatLogprobs.of(logprobs, body.return_tokens_as_token_ids))
             return ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
-                                       choices=[choice], speculation=spec)
+                                       choices=[choice], speculation=spec, prompt_token_ids=prompt_token_ids)
 
         def message(out: Chunk) -> tuple[AssistantMessage, str]:
             finish = out.finish_reason or "length"
@@ -569,17 +588,19 @@ class OpenAIIngress:
 
         if body.stream:
             return await self._stream(body, [messages], chunk,
-                                      lambda index: chunk(index, body.echoed, role="assistant"))
+                                      lambda index, **ids: chunk(index, body.echoed, role="assistant", **ids))
         outs = await self._generate(body, [messages])
         answers = [message(out) for out in outs]
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name,
             choices=[ChatChoice(index=i, message=msg, finish_reason=finish, stop_reason=out.result.stop_reason,
                                 logprobs=None if out.logprobs is None
-                                else ChatLogprobs.of(out.logprobs, body.return_tokens_as_token_ids))
+                                else ChatLogprobs.of(out.logprobs, body.return_tokens_as_token_ids),
+                                **_token_ids(body, out))
                      for i, (out, (msg, finish)) in enumerate(zip(outs, answers))],
             usage=_usage([out.result for out in outs], body.n), speculation=_speculation_info(outs[0].result),
             prompt_logprobs=prompt_logprobs_of(outs[0].result.prompt_logprobs, body.return_tokens_as_token_ids),
+            prompt_token_ids=outs[0].result.prompt_token_ids if body.return_token_ids else None,
         )
 
     @app.post("/v1/responses", response_model=None)
@@ -740,7 +761,7 @@ class OpenAIIngress:
             output_format=body.output_format,
             tools=body.template_tools, generation_prompt=body.generation_prompt,
             continue_final_message=body.continues_last_message, chat_template_kwargs=body.template_kwargs,
-            priority=body.priority, cache_salt=body.cache_salt,
+            priority=body.priority, cache_salt=body.cache_salt, return_token_ids=body.return_token_ids,
         )
         seed = body.seed
         return [replace(request, **_prompt_fields(prompt), **({} if seed is None else {"seed": seed + i}))
@@ -782,7 +803,8 @@ class OpenAIIngress:
         """`make_chunk(index, text, ...)`: a choice's SSE chunk; `first(index)`: what each choice opens with."""
         gens, heads = await self._open_streams(body, prompts)
         return StreamingResponse(self._events(gens, heads, make_chunk, first, body.include_usage, body.n,
-                                              body.continuous_usage), media_type="text/event-stream")
+                                              body.continuous_usage, body.return_token_ids),
+                                 media_type="text/event-stream")
 
     async def _open_streams(
         self, body: GenerationRequestBase, prompts: Sequence[Prompt],
@@ -825,11 +847,26 @@ class OpenAIIngress:
 
     async def _events(
         self, gens: list[DeploymentResponseGenerator], heads: list[Chunk], make_chunk: Callable[..., BaseModel],
-        first: Callable[[int], BaseModel] | None, include_usage: bool, n: int, continuous_usage: bool,
+        first: Callable[..., BaseModel] | None, include_usage: bool, n: int, continuous_usage: bool,
+        token_ids: bool = False,
     ) -> AsyncIterator[str]:
-        """`continuous_usage`: every chunk carries its choice's usage so far (vLLM's `continuous_usage_stats`)."""
-        drop = ("speculation",) if include_usage else ("speculation", "usage")
+        """`continuous_usage`: every chunk carries its choice's usage so far (vLLM's `continuous_usage_stats`);
+        `token_ids`: each choice's first chunk carries the prompt's token ids and every chunk the output's
+        since the choice's previous one (vLLM's `return_token_ids`)."""
+        drop = ("speculation", "prompt_token_ids") if include_usage else ("speculation", "prompt_token_ids", "usage")
         generated = [0] * len(gens)  # each choice's tokens so far
+        unsent: list[list[int]] = [[] for _ in gens]  # each choice's token ids no chunk carried yet
+        opened = [False] * len(gens)
+
+        def ids(index: int) -> dict[str, list[int] | None]:
+            """The token ids the choice's next chunk carries, where the request asked."""
+            if not token_ids:
+                return {}
+            prompt = None if opened[index] else heads[index].prompt_token_ids
+            return {"token_ids": unsent[index], "prompt_token_ids": prompt}
+
+        def sent(index: int) -> None:
+            unsent[index], opened[index] = [], True
 
         def sse(event: BaseModel, index: int) -> str:
             if continuous_usage:
@@ -842,19 +879,24 @@ class OpenAIIngress:
         try:
             if first is not None:
                 for index in range(len(gens)):
-                    yield sse(first(index), index)
+                    event = first(index, **ids(index))
+                    sent(index)
+                    yield sse(event, index)
             finished: dict[int, GenerationResult] = {}
             async for index, chunk in _interleaved(gens, heads):
                 generated[index] += len(chunk.token_ids)
+                unsent[index] += chunk.token_ids
                 if chunk.finish_reason is not None:
                     finished[index] = chunk.result
                     event = make_chunk(index, chunk.text, chunk.finish_reason, _speculation_info(chunk.result),
-                                       logprobs=chunk.logprobs, reasoning=chunk.reasoning)
+                                       logprobs=chunk.logprobs, reasoning=chunk.reasoning, **ids(index))
                     event.choices[0].stop_reason = chunk.result.stop_reason
+                    sent(index)
                     yield sse(event, index)
                 elif (chunk.text or chunk.reasoning or chunk.logprobs) and (  # logprobs go out before text may
                         event := make_chunk(index, chunk.text, logprobs=chunk.logprobs,
-                                            reasoning=chunk.reasoning)) is not None:
+                                            reasoning=chunk.reasoning, **ids(index))) is not None:
+                    sent(index)
                     yield sse(event, index)  # (None: held back, as a tool call is until it is whole)
             if include_usage:
                 usage = _usage([finished[i] for i in sorted(finished)], n)

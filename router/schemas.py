@@ -2,7 +2,8 @@
 plus SpecRoute's extensions: `speculation` (request: the plan asked for; response: what ran and
 how well it was accepted), and vLLM's sampling extensions: `top_k`, `min_p`, `ignore_eos`,
 `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`,
-`skip_special_tokens`, `truncate_prompt_tokens` and `prompt_logprobs`.
+`skip_special_tokens`, `truncate_prompt_tokens` and `prompt_logprobs`, and its output extension
+`return_token_ids` (the prompt's and the output's token ids beside the text).
 
 `logprobs` report the target's raw distribution (before penalties, temperature, top-k and top-p;
 vLLM's default), read off the rows that verified each token (workers/logprobs.py). Penalties and
@@ -224,6 +225,9 @@ class GenerationRequestBase(BaseModel):
     skip_special_tokens: bool = Field(True, description="extension, as in vLLM: leave special tokens out of the text")
     return_tokens_as_token_ids: bool = Field(False, description='extension, as in vLLM: logprobs name tokens '
                                                                 '"token_id:N", not by their text')
+    return_token_ids: bool = Field(False, description="extension, as in vLLM: the prompt's and each choice's "
+                                                      "token ids beside the text (streamed: the prompt's on the first "
+                                                      "chunk, each chunk's new ones)")
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="extension, as in vLLM: keep the prompt's last so many tokens (-1: as many as "
                                  "the model's context holds)")
@@ -869,6 +873,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended the output
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, where the request asked
+    # vLLM's return_token_ids: the prompt's (a stream's first chunk) and the output's (a chunk's new ones)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -906,6 +913,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended the output
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: the output's
 
 
 class ChatCompletionResponse(BaseModel):
@@ -917,6 +925,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
     speculation: SpeculationInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, where the request asked: one prompt, every choice's
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: one prompt, every choice's
 
 
 class ChatDelta(BaseModel):
@@ -936,6 +945,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # on the last chunk, as on ChatChoice
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: the chunk's new output tokens
 
 
 class ChatCompletionChunk(BaseModel):
@@ -946,6 +956,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     speculation: SpeculationInfo | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: on each choice's first chunk
 
 
 class CompletionChunk(BaseModel):

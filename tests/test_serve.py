@@ -360,6 +360,40 @@ def test_vllm_sampling_extensions(base_url: str, tiny_llama_dir: Path) -> None:
     assert complete(**unbiased, temperature=1.5, seed=3, min_p=1.0)["choices"] == complete(**unbiased)["choices"]
 
 
+def test_return_token_ids_gives_the_prompt_and_output_tokens(base_url: str) -> None:
+    """vLLM's return_token_ids: the prompt's tokens are /tokenize's, the output's are those counted
+    as completion tokens; streamed, the prompt's go on the first chunk only and the chunks' own add
+    up to the whole output's."""
+    prompt = "Once upon a time"
+    messages = [{"role": "user", "content": "Count: one two three"}]
+    prompt_ids = requests.post(f"{base_url}/tokenize", json={"prompt": prompt}, timeout=60).json()["tokens"]
+    chat_ids = requests.post(f"{base_url}/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    common = {"model": MODEL, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    completion = requests.post(f"{base_url}/v1/completions", json={**common, "prompt": prompt}, timeout=60).json()
+    [choice] = completion["choices"]
+    assert choice["prompt_token_ids"] == prompt_ids and len(choice["token_ids"]) == completion["usage"]["completion_tokens"]
+    text = requests.post(f"{base_url}/detokenize", json={"tokens": choice["token_ids"]}, timeout=60).json()["prompt"]
+    assert text.startswith(choice["text"])
+    chat = _chat(base_url, **common).json()
+    assert chat["prompt_token_ids"] == chat_ids and len(chat["choices"][0]["token_ids"]) == chat["usage"][
+        "completion_tokens"]
+    plain = _chat(base_url, max_tokens=12, temperature=0).json()
+    assert plain["prompt_token_ids"] is None and plain["choices"][0]["token_ids"] is None
+
+    events = [e for e in _sse(_chat(base_url, **common, stream=True, stream_options={"include_usage": True}))
+              if e != "[DONE]"]
+    assert events[0]["prompt_token_ids"] == chat_ids and all("prompt_token_ids" not in e for e in events[1:])
+    assert [t for e in events for c in e["choices"] for t in c["token_ids"]] == chat["choices"][0]["token_ids"]
+    r = requests.post(f"{base_url}/v1/completions", json={**common, "prompt": prompt, "stream": True}, stream=True,
+                      timeout=60)
+    chunks = [e["choices"][0] for e in _sse(r) if e != "[DONE]"]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == choice["token_ids"]
+    r = requests.post(f"{base_url}/v1/completions", json={**common, "prompt": prompt, "stream": True,
+                                                           "return_token_ids": False}, stream=True, timeout=60)
+    assert all("token_ids" not in e["choices"][0] for e in _sse(r) if e != "[DONE]")
+
+
 def test_tokenize_and_detokenize(base_url: str, client) -> None:
     """The tokens /tokenize returns are the ones generation counts as the prompt."""
     prompt = "Once upon a time"

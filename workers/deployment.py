@@ -85,6 +85,7 @@ class GenerateRequest:
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template (vLLM's)
     priority: int = 0  # lower first, under the scheduler's priority policy
     cache_salt: str | None = None  # vLLM's: cached state is shared only with requests of the same salt
+    return_token_ids: bool = False  # vLLM's: the first chunk carries the prompt's token ids
 
     @property
     def prompt_param(self) -> str:
@@ -129,6 +130,7 @@ class Chunk:
     # parser and the prompt is a chat (workers/reasoning.py); None: the output is not split
     reasoning: str | None = None
     num_prompt_tokens: int = 0  # the request's prompt (continuous usage before the last chunk's stats)
+    prompt_token_ids: list[int] | None = None  # the prompt as run, on the first chunk where the request asked
 
     @property
     def result(self) -> GenerationResult:
@@ -156,6 +158,7 @@ class _Slot:
     num_sent_ids: int = 0
     sent_text: str = ""
     echoed: bool = False  # the prompt went out (GenerateRequest.echo)
+    opened: bool = False  # a chunk went out
     prompt_text: str = ""  # a raw prompt's text (decoded where it came as token ids): what echo repeats
     split: ReasoningSplit | None = None  # a chat's output as reasoning and answer, under a reasoning parser
     abandoned: bool = False  # set by the consumer when it stops reading (finished or cancelled)
@@ -480,7 +483,12 @@ class TargetWorker:
         replies: list[tuple[_Slot, Chunk | BaseException]] = []
         for routed, stats in step.stats:
             slot = self._active[routed]
-            replies.append((slot, replace(self._chunk(slot, stats), num_prompt_tokens=routed.gen.ctx.num_prompt)))
+            num_prompt = routed.gen.ctx.num_prompt
+            first = not slot.opened
+            slot.opened = True
+            prompt_ids = routed.gen.ctx.token_ids[:num_prompt] if slot.request.return_token_ids and first else None
+            replies.append((slot, replace(self._chunk(slot, stats), num_prompt_tokens=num_prompt,
+                                          prompt_token_ids=prompt_ids)))
             if routed.finished:
                 del self._active[routed]
                 self._num_finished += 1
