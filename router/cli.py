@@ -1,5 +1,4 @@
-"""The `specroute` command line: serve, generate, bench, policy check, train-classifier, train-drafter,
-gen-answers.
+"""The `specroute` command line: serve, generate, bench, load, policy, train-classifier, train-drafter and gen-answers.
 
 Heavy imports (torch, Ray) happen inside each command so `specroute --help` stays instant and a
 bad argument is reported before any model loads.
@@ -12,7 +11,7 @@ import dataclasses
 import functools
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +81,27 @@ def _output_format(response_format: str | None) -> Any:
         raise ValueError(f"--response-format: {e}") from None
 
 
+class _Printout:
+    """The output's text printed as it is generated, each step's part as soon as no stop string
+    or incomplete character may still change it (as the server streams it)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]) -> None:
+        from workers.text_stream import stream_delta
+
+        self.decode, self.stop, self.delta = decode, stop, stream_delta
+        self.sent = ""
+
+    def __call__(self, output_ids: list[int]) -> None:
+        if delta := self.delta(self.decode(output_ids), self.sent, self.stop):
+            self.sent += delta
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+
+    def finish(self, text: str) -> None:
+        """The rest of the final text (a stop string cut, held-back tails), then a newline."""
+        print(text[len(self.sent) :] if text.startswith(self.sent) else f"\n{text}", flush=True)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from policies.schema import PolicyError
     from policies.stats import MemoryStats
@@ -118,12 +138,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
             params = dataclasses.replace(params, prediction=tuple(engine.encode_text(args.prediction)))
         if args.bad_word:
             params = dataclasses.replace(params, bad_words=engine.bad_word_ids(args.bad_word))
-        result = route(router, prompt_ids, params, args.prompt, Speculation(args.drafter, args.draft_len))
+        printout = None if args.json else _Printout(functools.partial(
+            engine.tokenizer.decode, skip_special_tokens=params.skip_special_tokens), params.stop)
+        result = route(router, prompt_ids, params, args.prompt, Speculation(args.drafter, args.draft_len),
+                       on_output=printout)
     except (ModelLoadError, PolicyError, RequestError) as e:
         raise CLIError(str(e)) from None
 
-    if not args.json:
-        print(result.text)
+    if printout is not None:
+        printout.finish(result.text)
         return 0
     assert result.routing is not None
     thinking: dict[str, Any] = {}

@@ -48,6 +48,16 @@ def test_generate_json_has_the_documented_fields(plain_json: dict) -> None:
     assert isinstance(out["wall_s"], (int, float)) and out["wall_s"] > 0
 
 
+def test_generate_prints_the_text_as_it_is_generated(plain_json: dict) -> None:
+    """Text mode prints the output as --json reports it, a stop string cut (held back while it may
+    still be one), and a newline."""
+    text = plain_json["text"]
+    stop = text.strip()[4:7]
+    proc = specroute("generate", "--prompt", PROMPT, "--max-tokens", "8", "--drafter", "ngram", "--stop", stop)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == text[: text.find(stop)] + "\n"
+
+
 def test_generate_ngram_gives_the_same_tokens_as_plain(plain_json: dict) -> None:
     out = generate_json("--drafter", "ngram", "--logprobs", "2")
     assert out["drafter"] == "ngram"

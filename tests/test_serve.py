@@ -1111,10 +1111,10 @@ def test_malformed_json_and_unknown_route(base_url: str) -> None:
     ("say EN", "say", ("END", "x"), " "),
     ("abc", "abc", ("c",), ""),
 ])
-def test_safe_delta(text: str, sent: str, stop: tuple[str, ...], delta: str) -> None:
-    from workers.deployment import _safe_delta
+def test_stream_delta(text: str, sent: str, stop: tuple[str, ...], delta: str) -> None:
+    from workers.text_stream import stream_delta
 
-    assert _safe_delta(text, sent, stop) == delta
+    assert stream_delta(text, sent, stop) == delta
 
 
 def test_worker_errors_map_to_openai_errors() -> None:

@@ -33,6 +33,7 @@ from workers.config import EngineConfig, RoutingConfig
 from workers.reasoning import ReasoningSplit, prompt_reasoning_start, reasoning_tokens
 from workers.result import GenerationResult, RequestError, StepStats, TokenLogprobs
 from workers.structured import OutputFormat
+from workers.text_stream import stream_delta
 
 if TYPE_CHECKING:
     from workers.drafters.remote import DraftCall, DraftReply
@@ -516,7 +517,7 @@ class TargetWorker:
                 logprobs = [*_echoed_logprobs(gen), *logprobs]
         if not gen.finished:
             text = self.engine.tokenizer.decode(output_ids, skip_special_tokens=gen.params.skip_special_tokens)
-            delta = _safe_delta(text, slot.sent_text, gen.params.stop)
+            delta = stream_delta(text, slot.sent_text, gen.params.stop)
             slot.sent_text += delta
             if slot.split is None:
                 return Chunk(new_ids, head + delta, logprobs=logprobs)
@@ -635,16 +636,6 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # outside a Serve replica (tests that build the class directly)
         return ""
-
-
-def _safe_delta(text: str, sent: str, stop: tuple[str, ...]) -> str:
-    """The part of `text` after `sent` that can be streamed now: hold back a trailing incomplete
-    character (U+FFFD) and the longest suffix that may still grow into a stop string."""
-    end = len(text.rstrip("\ufffd"))
-    end -= max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n], 0, end)), default=0)
-    if end <= len(sent) or not text.startswith(sent):
-        return ""
-    return text[len(sent) : end]
 
 
 def _most(*counts: int | None) -> int | None:

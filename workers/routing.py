@@ -14,7 +14,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -693,12 +693,16 @@ def _mtime_ns(path: Path) -> int | None:
 
 
 def generate(router: Router, prompt_ids: list[int], params: SamplingParams, text: str,
-             speculation: Speculation = Speculation()) -> GenerationResult:
-    """One routed request from start to finish (CLI, bench)."""
+             speculation: Speculation = Speculation(),
+             on_output: Callable[[list[int]], None] | None = None) -> GenerationResult:
+    """One routed request from start to finish (CLI, bench); `on_output` sees the output's tokens
+    after each step but the last (whose output a stop string may cut: the result's)."""
     routed = router.start(prompt_ids, params, text, speculation)
     try:
         while not routed.finished:
             routed.step()
+            if on_output is not None and not routed.finished:
+                on_output(routed.gen.output_ids)
         return routed.result()
     finally:
         routed.close()
