@@ -5,6 +5,7 @@ speculative and batched decoding on the int4 target identical to its own plain d
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -264,6 +265,32 @@ def test_int4_hidden_states_are_the_same_with_keys_cut_or_in_whole_blocks(
     assert lengths[-1] > 256  # the batch holds a long sequence beside the short ones
     for cut, whole in zip(hidden(probed), hidden(KeySpan()), strict=True):
         assert torch.equal(cut, whole)
+
+
+def test_rows_scored_without_logits_fill_the_cache_as_scored_rows(
+    int4_engine: SpecEngine, int4_prompts: list[list[int]],
+) -> None:
+    """A resumed request's output runs as scored rows that return no logits: the keys and values
+    it leaves are those of the same rows run for their logits, beside a decode step."""
+    model = int4_engine.target.model
+    assert not model.prompt_rows_as_scored  # int4: prompt rows take the dense copy
+    first, second = int4_prompts[:2]
+
+    def keys(logits: Literal["all", "none"], scored: bool | None = None) -> tuple[torch.Tensor, list[int]]:
+        """The second prompt's keys after its last 8 tokens ran so, beside the first's decode step,
+        and the rows of logits each returned."""
+        pool = model.new_pool(2, 1024)
+        caches = [pool.allocate() for _ in range(2)]
+        model.forward_batch([SeqInput(torch.tensor(p[:-8]), c, "none") for p, c in zip((first, second), caches)])
+        outs = model.forward_batch([SeqInput(torch.tensor(first[-8:-7]), caches[0], "all"),
+                                    SeqInput(torch.tensor(second[-8:]), caches[1], logits, scored=scored)])
+        return pool.k[:, caches[1].slot, :, : len(second)].clone(), [o.logits.shape[0] for o in outs]
+
+    read, read_rows = keys("all")
+    unread, unread_rows = keys("none", scored=True)
+    prompt_rows, _ = keys("none")
+    assert read_rows == [1, 8] and unread_rows == [1, 0]
+    assert torch.equal(unread, read) and not torch.equal(prompt_rows, read)
 
 
 def _hidden_alone(model: FastLlama, head: list[int], tail: list[int]) -> torch.Tensor:

@@ -160,7 +160,7 @@ class BatchEngine:
             ids = gen.prefill_input(budget)
             budget -= ids.shape[0]
             chunks.append((gen, ids.shape[0]))
-            inputs.append(SeqInput(ids, gen.cache, gen.prefill_logits))
+            inputs.append(gen.prefill_seq(ids))
         if not inputs:
             return out
         t0 = time.perf_counter()

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -40,7 +40,7 @@ from workers.drafters.prediction import PredictionDrafter
 from workers.drafters.registry import build_drafters
 from workers.drafters.remote import DraftService
 from workers.logprobs import TokenText, token_logprobs
-from workers.models.base import ForwardOutput, KVCache, synchronize
+from workers.models.base import ForwardOutput, KVCache, SeqInput, synchronize
 from workers.penalties import penalize
 from workers.result import GenerationResult, PredictionTokens, RequestError, StepStats, TokenLogprobs
 from workers.sampling import SamplingParams, make_generator, probs_from_logits
@@ -205,16 +205,17 @@ class Generation:
         preempted request's sequence."""
         return self._prefill_end - self.num_prefilled
 
-    @property
-    def prefill_logits(self) -> Literal["all", "none"]:
-        """The rows of the next prefill chunk that return logits: all where the request scores its
-        prompt, and for a preempted request's output, which its steps computed as scored rows:
-        where prompt rows take other kernels (`prompt_rows_as_scored`), they are run as scored
-        rows again, so its keys and values are those it had."""
+    def prefill_seq(self, input_ids: torch.Tensor) -> SeqInput:
+        """The next prefill chunk (`prefill_input`) as a batched forward's input. Its rows return
+        logits where the request scores its prompt; a preempted request's output, which its
+        steps computed as scored rows, is run as scored rows again where prompt rows take other
+        kernels (`prompt_rows_as_scored` False), so its keys and values are those it had, without
+        the logits nobody reads."""
+        assert self.cache is not None
         if self.prompt_logprobs is not None:
-            return "all"
+            return SeqInput(input_ids, self.cache, "all")
         resumed = self.num_prefilled >= self.num_prompt - 1
-        return "all" if resumed and not self.model.prompt_rows_as_scored else "none"
+        return SeqInput(input_ids, self.cache, "none", scored=resumed and not self.model.prompt_rows_as_scored)
 
     def step(self, drafter: str = PLAIN, k: int = 0) -> StepStats:
         """One step of this request alone, drafting up to k tokens with `drafter`."""

@@ -108,13 +108,23 @@ class SeqInput:
     cache: KVCache
     logits: Literal["all", "last", "none"] = "all"  # the rows whose logits are returned
     tree: DraftTree | None = None  # the inputs are a step's root and a draft tree's nodes
+    # the rows are computed as a step's scored rows even where no logits are read (a resumed
+    # request's output, whose keys and values must be those its steps computed); None: where
+    # every row's logits are read
+    scored: bool | None = None
+
+    @property
+    def scored_rows(self) -> bool:
+        """Whether the rows take the kernels of scored rows (decode and verify steps'), not those
+        of prompt rows (where a target has other ones: `prompt_rows_as_scored` False)."""
+        return self.logits == "all" if self.scored is None else self.scored
 
 
 def forward_each(model: CausalLM, inputs: Sequence[SeqInput], return_hidden: bool = False) -> list[ForwardOutput]:
     """Each sequence in a forward of its own (a model without a batched forward, or a batch of one)."""
     outs = []
     for s in inputs:
-        out = model.forward(s.input_ids, s.cache, last_only=s.logits != "all", tree=s.tree,
+        out = model.forward(s.input_ids, s.cache, last_only=not s.scored_rows, tree=s.tree,
                             return_hidden=return_hidden)
         outs.append(replace(out, logits=out.logits[:0]) if s.logits == "none" else out)
     return outs

@@ -571,10 +571,10 @@ class FastLlama:
         similar shape share one call over their slot range, queries padded to the call's
         longest and masked to their own keys (causal, or the draft tree's ancestry)
         (`_attention_groups`, `_BatchAttention`). A batch of one runs `forward` (the same numerics as alone).
-        Sequences whose logits are all read (decode and verify steps) are packed first."""
+        Sequences computed as scored rows (decode and verify steps) are packed first."""
         if len(batch) == 1:
             return forward_each(self, batch, return_hidden)
-        order = sorted(range(len(batch)), key=lambda b: batch[b].logits != "all")  # stable
+        order = sorted(range(len(batch)), key=lambda b: not batch[b].scored_rows)  # stable
         if order != list(range(len(batch))):
             outputs = self.forward_batch([batch[b] for b in order], return_hidden=return_hidden)
             return [out for _, out in sorted(zip(order, outputs), key=lambda pair: pair[0])]
@@ -606,7 +606,7 @@ class FastLlama:
             return attention.attend(q, pool.k[i], pool.v[i])
 
         ids = torch.cat([s.input_ids for s in batch]).to(dev)
-        num_scored = sum(n for s, n in zip(batch, lens) if s.logits == "all")
+        num_scored = sum(n for s, n in zip(batch, lens) if s.scored_rows)
         x = self._layers(self.embed[ids], cos, sin, attend, num_scored)
         for s, n in zip(batch, lens):
             s.cache.extend(n)
