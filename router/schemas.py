@@ -71,7 +71,7 @@ MAX_SEQUENCES = 64  # a completion's prompts times `n`: each its own request in 
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "best_of": (None, 1), "functions": (None, []), "function_call": (None, "none", "auto"),
-    "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
+    "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,), "moderation": (None,),
 }
 
 
@@ -560,13 +560,21 @@ class ChatCompletionRequest(GenerationRequestBase):
         None, description="extension: more variables for the chat template (e.g. Qwen3's enable_thinking: false)")
     include_reasoning: bool = Field(True, description="extension: answer a reasoning model's thinking as "
                                                       "`reasoning` (false: leave it out)")
+    # OpenAI's chat fields that do not change the output here: accepted and ignored (one verbosity
+    # here, as one reasoning effort; the prefix cache is this server's own, cache_salt bounds it)
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = Field(None, max_length=128)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
 
-    @field_validator("functions", "function_call", "modalities", "audio", "web_search_options")
+    @field_validator("functions", "function_call", "modalities", "audio", "web_search_options", "moderation")
     @classmethod
     def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
         return _no_op(value, info)

@@ -103,6 +103,8 @@ def _worker_status() -> dict:
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"999999": 1}}, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "bye"}, "suffix"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of"),
+    ("/v1/chat/completions", {**CHAT, "moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+    ("/v1/chat/completions", {**CHAT, "verbosity": "terse"}, "verbosity"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": "ten"}, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": -3}, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 10**9}, "max_tokens"),
@@ -134,6 +136,8 @@ def test_no_op_values_of_unimplemented_fields_are_accepted(base_url: str) -> Non
     """What client libraries send by default must not be refused."""
     body = {**CHAT, "frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False, "logit_bias": {},
             "tool_choice": "none", "response_format": {"type": "text"}, "user": "u-1", "store": False,
+            "verbosity": "low", "prompt_cache_key": "conversation-1", "prompt_cache_retention": "24h",
+            "prompt_cache_options": {"mode": "implicit"}, "safety_identifier": "user-hash", "moderation": None,
             "messages": [{"role": "user", "content": "hi", "name": "alice"}]}
     r = _post(base_url, "/v1/chat/completions", body)
     assert r.status_code == 200, r.text
