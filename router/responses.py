@@ -167,9 +167,20 @@ class ResponsesRequest(BaseModel):
     reasoning: dict[str, Any] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
+    stream_options: dict[str, Any] | None = None
+    max_tool_calls: int | None = Field(None, ge=0, description="accepted; it bounds built-in tools, none here")
     # state and features this server does not keep
     previous_response_id: None = Field(None, description="refused: nothing is stored; send the whole conversation")
+    conversation: None = Field(None, description="refused: nothing is stored; send the whole conversation")
+    prompt: None = Field(None, description="refused: no prompt templates are stored")
+    background_options: None = None
+    context_management: None = None
+    access_programs: None = None
+    image: None = None
+    moderation: None = None
     background: Literal[False] | None = None
     truncation: Literal["disabled"] | None = None
     # extra output: each output token's logprob and its top_logprobs likeliest

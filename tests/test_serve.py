@@ -726,8 +726,10 @@ def test_responses_answer_as_chat_does_streamed_and_not(client, base_url: str) -
     assert deltas == response.output_text == events[-4][1]["text"]
     assert events[-1][1]["response"]["output"][0]["content"][0]["text"] == response.output_text
     assert events[-1][1]["response"]["speculation"]["num_steps"] >= 1
+    ignored = {"stream_options": {"include_obfuscation": False}, "prompt_cache_key": "c-1", "max_tool_calls": 2,
+               "prompt_cache_retention": "24h", "safety_identifier": "u-1"}  # OpenAI's, changing nothing here
     streamed = list(client.responses.create(stream=True, **{k: v for k, v in body.items() if k != "ignore_eos"},
-                                            extra_body={"ignore_eos": True}))
+                                            **ignored, extra_body={"ignore_eos": True}))
     assert [e.type for e in streamed] == names
     # the items a client sends back (an earlier answer, as output_text parts) continue the conversation
     followed = client.responses.create(model=MODEL, max_output_tokens=8, temperature=0, input=[
@@ -811,6 +813,9 @@ def test_responses_call_functions_and_read_their_outputs(client, base_url: str) 
     ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
     ({"top_logprobs": 21}, "top_logprobs"),
     ({"cache_salt": ""}, "cache_salt"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
 ])
 def test_bad_responses_request_is_400_naming_the_field(base_url: str, body: dict, param: str) -> None:
     r = requests.post(f"{base_url}/v1/responses", json={"model": MODEL, "input": "hi", **body}, timeout=60)
