@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import (
     BackPressureError,
     DeploymentUnavailableError,
@@ -63,6 +64,7 @@ from router.messages import error_type as messages_error_type
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.metrics import render as render_metrics
 from router.observation import Observation
+from router.replica_affinity import PrefixAffinityRouter
 from router.responses import (
     ResponseEvents,
     ResponseObject,
@@ -175,6 +177,10 @@ class AppArgs(BaseModel):
     autoscaling_config: AutoscalingArgs | None = Field(None, description="instead of num_replicas")
     num_cpus: float = Field(1, ge=0, description="CPUs per target replica (also torch's threads)")
     num_gpus: float = Field(0, ge=0, description="GPUs per target replica")
+    replica_routing: Literal["prefix_affinity", "power_of_two"] = Field(
+        "prefix_affinity", description="how a request picks its target replica: the one likely to hold its prompt's "
+                                       "prefix unless it is busier (router/replica_affinity.py), or Serve's "
+                                       "less loaded of two random ones")
 
     @model_validator(mode="after")
     def _replicas(self) -> "AppArgs":
@@ -200,6 +206,8 @@ class AppArgs(BaseModel):
             "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
             "max_constructor_retry_count": 1,  # a model that fails to load fails the deploy now
         }
+        if self.replica_routing == "prefix_affinity":
+            options["request_router_config"] = RequestRouterConfig(request_router_class=PrefixAffinityRouter)
         if self.autoscaling_config is not None:
             options["autoscaling_config"] = self.autoscaling_config.model_dump(exclude_none=True)
         else:

@@ -174,8 +174,11 @@ def base_url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory
         scheduler = tiny_config.scheduler.model_copy(update={"enable_prefix_caching": True})
         config = tiny_config.model_copy(update={"drafters": [*tiny_config.drafters, SuffixDrafterConfig()],
                                                 "scheduler": scheduler})
+        # Serve's random choice between the two replicas, so both serve some of the traffic
+        # (tests/test_replica_affinity.py tests the default, prefix-affine choice)
         with serve_tiny_app(config, tmp_path_factory.mktemp("serve"), MODEL, num_replicas=2,
-                            stats_url=REDIS_URL, stats_prefix=prefix, admin_token=TOKEN) as url:
+                            stats_url=REDIS_URL, stats_prefix=prefix, admin_token=TOKEN,
+                            replica_routing="power_of_two") as url:
             yield url
     finally:
         keys = list(client.scan_iter(match=f"{{{prefix}}}:*"))
