@@ -6,6 +6,11 @@ streamed chunks (ITL; a speculative step sends its tokens in one chunk), time pe
 after the first (TPOT) and end-to-end latency. Runs with `--speculation none` and `auto` against
 the same server give the side-by-side throughput of plain and speculative serving.
 
+With `turns` > 1 each client holds conversations: a prompt, then follow-ups that carry the
+earlier turns and answers, as a chat client sends them; the report gives the share of the later
+turns' prompt tokens found in a replica's prefix cache and their TTFT, which is what sending a
+conversation back to the replica holding it (`replica_routing`) is for.
+
 A long prompt (`long_prompt`) can be sent once, a third into the run, while the clients decode:
 the gaps in the other streams while it is prefilled show whether it stalls them (chunked
 prefill should keep those gaps near the ordinary ITL).
@@ -35,6 +40,9 @@ class RequestTiming:
     completion_tokens: int = 0
     error: str | None = None
     sent_at: float = 0.0  # perf_counter() when the request was sent
+    cached_tokens: int = 0  # of prompt_tokens, those a prefix cache held
+    turn: int = 0  # the request's place in its conversation (0: its first)
+    text: str = ""  # the answer, which the conversation's next turn carries
 
     @property
     def itl_s(self) -> list[float]:
@@ -63,6 +71,11 @@ class LoadArgs:
     model: str | None = None
     timeout_s: float = 300.0
     long_prompt: BenchPrompt | None = None  # sent once, at a third of the duration
+    turns: int = 1  # requests per conversation: the prompt, then FOLLOW_UPS with the earlier turns
+
+
+# what a conversation's later turns ask, in turn
+FOLLOW_UPS = ("Go on, in more detail.", "Now sum up your answers in one sentence.", "Give one more example.")
 
 
 def long_prompt_text(prompts: list[BenchPrompt], num_tokens: int) -> BenchPrompt:
@@ -77,9 +90,11 @@ def long_prompt_text(prompts: list[BenchPrompt], num_tokens: int) -> BenchPrompt
     return BenchPrompt("long", "long", "\n\n".join(parts)[: 4 * num_tokens])
 
 
-def one_request(session: requests.Session, args: LoadArgs, prompt: BenchPrompt) -> RequestTiming:
+def one_request(session: requests.Session, args: LoadArgs, prompt: BenchPrompt,
+                messages: list[dict[str, str]] | None = None) -> RequestTiming:
+    """One streamed chat request: `prompt`'s, or `messages` (a conversation's later turn)."""
     body = {
-        "messages": prompt.conversation(), "max_tokens": args.max_tokens, "temperature": 0,
+        "messages": messages or prompt.conversation(), "max_tokens": args.max_tokens, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True}, "speculation": {"drafter": args.speculation},
     }
     if args.model:
@@ -104,13 +119,15 @@ def one_request(session: requests.Session, args: LoadArgs, prompt: BenchPrompt) 
                 if "error" in event:
                     return RequestTiming(ok=False, error=str(event["error"])[:200])
                 now = time.perf_counter()
-                if event.get("choices") and event["choices"][0]["delta"].get("content"):
+                if event.get("choices") and (content := event["choices"][0]["delta"].get("content")):
                     if timing.ttft_s is None:
                         timing.ttft_s = now - t0
                     timing.chunk_at.append(now)
-                if event.get("usage"):
-                    timing.prompt_tokens = event["usage"]["prompt_tokens"]
-                    timing.completion_tokens = event["usage"]["completion_tokens"]
+                    timing.text += content
+                if usage := event.get("usage"):
+                    timing.prompt_tokens = usage["prompt_tokens"]
+                    timing.completion_tokens = usage["completion_tokens"]
+                    timing.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     except (requests.RequestException, ValueError) as e:
         return RequestTiming(ok=False, error=f"{type(e).__name__}: {e}"[:200])
     timing.e2e_s = time.perf_counter() - t0
@@ -131,9 +148,18 @@ def run_load(args: LoadArgs) -> dict:
                 with lock:
                     prompt = args.prompts[cursor[0] % len(args.prompts)]
                     cursor[0] += 1
-                timing = one_request(session, args, prompt)
-                with lock:
-                    timings.append(timing)
+                messages = prompt.conversation()
+                for turn in range(args.turns):
+                    if turn and time.perf_counter() >= deadline:
+                        break
+                    timing = one_request(session, args, prompt, messages)
+                    timing.turn = turn
+                    with lock:
+                        timings.append(timing)
+                    if not timing.ok:
+                        break
+                    messages = [*messages, {"role": "assistant", "content": timing.text},
+                                {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]}]
 
     long: list[RequestTiming] = []
 
@@ -169,6 +195,8 @@ def summarize(timings: list[RequestTiming], wall_s: float, args: LoadArgs) -> di
     tpot = [v for t in ok if (v := t.tpot_s) is not None]
     e2e = [t.e2e_s for t in ok if t.e2e_s is not None]
     tokens = sum(t.completion_tokens for t in ok)
+    later = [t for t in ok if t.turn > 0]
+    later_prompt = sum(t.prompt_tokens for t in later)
     return {
         "speculation": args.speculation, "clients": args.clients, "duration_s": args.duration_s,
         "wall_s": wall_s, "requests": len(timings), "errors": len(timings) - len(ok),
@@ -178,6 +206,11 @@ def summarize(timings: list[RequestTiming], wall_s: float, args: LoadArgs) -> di
         "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99),
         "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
         "e2e_p50_s": _pct(e2e, 50), "e2e_p99_s": _pct(e2e, 99),
+        "turns": args.turns, "prompt_tokens": sum(t.prompt_tokens for t in ok),
+        "cached_tokens": sum(t.cached_tokens for t in ok),
+        # a conversation's later turns: the share of their prompts found cached, their first tokens' wait
+        "later_turns": len(later), "later_cached_share": sum(t.cached_tokens for t in later) / later_prompt
+        if later_prompt else None, "later_ttft_p50_s": _pct([t.ttft_s for t in later if t.ttft_s is not None], 50),
     }
 
 
@@ -215,6 +248,11 @@ def write_load_report(runs: list[dict], out: Path, command: str) -> Path:
             f"| {ms(r['tpot_p50_s'])} / {ms(r['tpot_p99_s'])} | {ms(r['e2e_p50_s'])} / {ms(r['e2e_p99_s'])} |"
         )
     for r in runs:
+        if r.get("later_turns"):
+            lines += ["", (
+                f"{r['speculation']}, {r['clients']} clients, conversations of {r['turns']} turns: "
+                f"{r['later_turns']} later turns found {100 * r['later_cached_share']:.0f}% of their prompt tokens "
+                f"cached, TTFT p50 {ms(r['later_ttft_p50_s'])} ms")]
         if (long := r.get("long_prompt")) is not None:
             lines += ["", (
                 f"{r['speculation']}, {r['clients']} clients: a {long['prompt_tokens']}-token prompt "

@@ -224,7 +224,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         for mode in modes:
             print(f"load: {clients} clients, {args.duration:g} s, speculation {mode} ...", file=sys.stderr)
             runs.append(run_load(LoadArgs(args.url.rstrip("/"), prompts, clients, args.duration, args.max_tokens,
-                                          mode, args.model, long_prompt=long)))
+                                          mode, args.model, long_prompt=long, turns=args.turns)))
     report = write_load_report(runs, args.out, " ".join(sys.argv))
     print(report.read_text())
     return 0 if all(r["errors"] == 0 for r in runs) else 1
@@ -445,6 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--max-tokens", type=_positive_int, default=128)
     load.add_argument("--speculation", default="none,auto", help="comma-separated modes, run one after another")
     load.add_argument("--model", default=None)
+    load.add_argument("--turns", type=_positive_int, default=1,
+                      help="requests per conversation: each later turn carries the earlier ones and their answers")
     load.add_argument("--long-prompt-tokens", type=_positive_int, default=None,
                       help="send one prompt of about this many tokens a third into each run: do the other "
                            "streams stall while it is prefilled?")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import requests
@@ -76,3 +77,18 @@ def test_every_turn_of_a_conversation_finds_its_earlier_turns(base_url: str) -> 
             later = turn(messages)
             assert later["usage"]["prompt_tokens_details"]["cached_tokens"] >= earlier["usage"]["prompt_tokens"] - 1
             earlier = later
+
+
+def test_load_runs_conversations_that_find_their_earlier_turns(base_url: str, tmp_path: Path) -> None:
+    """`specroute load --turns 3`: each later turn carries the earlier ones and their answers, and
+    finds most of its prompt cached on the replica its conversation keeps to."""
+    from bench.load import LoadArgs, run_load, write_load_report
+    from bench.prompts import BenchPrompt
+
+    prompts = [BenchPrompt(i, "chat", f"Plan a day in {city}.") for i, city in enumerate(["Rome", "Oslo", "Lima"])]
+    run = run_load(LoadArgs(base_url, prompts, clients=3, duration_s=4.0, max_tokens=8, speculation="auto",
+                            model=MODEL, turns=3))
+    assert run["errors"] == 0 and run["later_turns"] >= 3, run
+    assert run["cached_tokens"] < run["prompt_tokens"] and run["later_cached_share"] > 0.6, run
+    report = write_load_report([run], tmp_path, "specroute load --turns 3").read_text()
+    assert "conversations of 3 turns" in report and "later turns found" in report
