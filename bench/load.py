@@ -9,7 +9,10 @@ the same server give the side-by-side throughput of plain and speculative servin
 With `turns` > 1 each client holds conversations: a prompt, then follow-ups that carry the
 earlier turns and answers, as a chat client sends them; the report gives the share of the later
 turns' prompt tokens found in a replica's prefix cache and their TTFT, which is what sending a
-conversation back to the replica holding it (`replica_routing`) is for.
+conversation back to the replica holding it (`replica_routing`) is for. `think_s` pauses a client
+before each later turn, as its user reads the answer: meanwhile the other clients' requests move
+the replicas' queues, as in served traffic (a closed loop without pauses sends the next turn at
+once, to the replica that has just freed a slot, which a least-loaded choice then prefers anyway).
 
 A long prompt (`long_prompt`) can be sent once, a third into the run, while the clients decode:
 the gaps in the other streams while it is prefilled show whether it stalls them (chunked
@@ -72,6 +75,7 @@ class LoadArgs:
     timeout_s: float = 300.0
     long_prompt: BenchPrompt | None = None  # sent once, at a third of the duration
     turns: int = 1  # requests per conversation: the prompt, then FOLLOW_UPS with the earlier turns
+    think_s: float = 0.0  # a client's pause before a later turn (its user reading the answer)
 
 
 # what a conversation's later turns ask, in turn
@@ -150,8 +154,10 @@ def run_load(args: LoadArgs) -> dict:
                     cursor[0] += 1
                 messages = prompt.conversation()
                 for turn in range(args.turns):
-                    if turn and time.perf_counter() >= deadline:
-                        break
+                    if turn:
+                        time.sleep(args.think_s)
+                        if time.perf_counter() >= deadline:
+                            break
                     timing = one_request(session, args, prompt, messages)
                     timing.turn = turn
                     with lock:

@@ -64,7 +64,7 @@ from router.messages import error_type as messages_error_type
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.metrics import render as render_metrics
 from router.observation import Observation
-from router.replica_affinity import PrefixAffinityRouter
+from router.replica_affinity import DEFAULT_MAX_IMBALANCE, PrefixAffinityRouter
 from router.responses import (
     ResponseEvents,
     ResponseObject,
@@ -181,6 +181,9 @@ class AppArgs(BaseModel):
         "prefix_affinity", description="how a request picks its target replica: the one likely to hold its prompt's "
                                        "prefix unless it is busier (router/replica_affinity.py), or Serve's "
                                        "less loaded of two random ones")
+    affinity_max_imbalance: int = Field(
+        DEFAULT_MAX_IMBALANCE, ge=0, description="prefix_affinity: requests a replica may have queued beyond the "
+                                                 "least loaded one and still be preferred")
 
     @model_validator(mode="after")
     def _replicas(self) -> "AppArgs":
@@ -207,7 +210,9 @@ class AppArgs(BaseModel):
             "max_constructor_retry_count": 1,  # a model that fails to load fails the deploy now
         }
         if self.replica_routing == "prefix_affinity":
-            options["request_router_config"] = RequestRouterConfig(request_router_class=PrefixAffinityRouter)
+            options["request_router_config"] = RequestRouterConfig(
+                request_router_class=PrefixAffinityRouter,
+                request_router_kwargs={"max_imbalance": self.affinity_max_imbalance})
         if self.autoscaling_config is not None:
             options["autoscaling_config"] = self.autoscaling_config.model_dump(exclude_none=True)
         else:

@@ -224,7 +224,8 @@ def cmd_load(args: argparse.Namespace) -> int:
         for mode in modes:
             print(f"load: {clients} clients, {args.duration:g} s, speculation {mode} ...", file=sys.stderr)
             runs.append(run_load(LoadArgs(args.url.rstrip("/"), prompts, clients, args.duration, args.max_tokens,
-                                          mode, args.model, long_prompt=long, turns=args.turns)))
+                                          mode, args.model, long_prompt=long, turns=args.turns,
+                                          think_s=args.think)))
     report = write_load_report(runs, args.out, " ".join(sys.argv))
     print(report.read_text())
     return 0 if all(r["errors"] == 0 for r in runs) else 1
@@ -447,6 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--model", default=None)
     load.add_argument("--turns", type=_positive_int, default=1,
                       help="requests per conversation: each later turn carries the earlier ones and their answers")
+    load.add_argument("--think", type=float, default=0.0, metavar="SECONDS",
+                      help="a client's pause before each later turn of a conversation (its user reading)")
     load.add_argument("--long-prompt-tokens", type=_positive_int, default=None,
                       help="send one prompt of about this many tokens a third into each run: do the other "
                            "streams stall while it is prefilled?")

@@ -51,6 +51,16 @@ def rendezvous_order(key: str, replica_ids: Sequence[str]) -> list[int]:
     return sorted(range(len(replica_ids)), key=weight, reverse=True)
 
 
+def affine_ranks(order: list[int], queued: list[int], max_imbalance: int) -> list[list[int]]:
+    """The ranks of replicas (indices) Serve tries in turn, given `order` (rendezvous_order) and
+    each replica's queue: the preferred one alone, then the others; or all of them at once (the
+    least loaded wins) where the preferred one's queue exceeds the shortest by more than
+    `max_imbalance`."""
+    if queued[order[0]] - min(queued) > max_imbalance:
+        return [sorted(order)]
+    return [order[:1], order[1:]]
+
+
 class PrefixAffinityRouter(RequestRouter):
     """Serve's request router for the target replicas: a request's preferred replica first, the
     others next, or all of them alike when the preferred one is too busy (module docstring)."""
@@ -70,11 +80,8 @@ class PrefixAffinityRouter(RequestRouter):
             return [candidate_replicas]
         order = rendezvous_order(affinity_key(request, self.key_chars),
                                  [r.replica_id.unique_id for r in candidate_replicas])
-        ranked = [candidate_replicas[i] for i in order]
-        queued = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in ranked]
-        if queued[0] - min(queued) > self.max_imbalance:
-            return [candidate_replicas]
-        return [ranked[:1], ranked[1:]]
+        queued = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas]
+        return [[candidate_replicas[i] for i in rank] for rank in affine_ranks(order, queued, self.max_imbalance)]
 
 
 def _generate_request(pending: PendingRequest | None) -> GenerateRequest | None:

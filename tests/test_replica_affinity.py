@@ -12,7 +12,7 @@ import pytest
 import requests
 from helpers import serve_tiny_app
 
-from router.replica_affinity import affinity_key, rendezvous_order
+from router.replica_affinity import affine_ranks, affinity_key, rendezvous_order
 from workers.config import EngineConfig
 from workers.deployment import GenerateRequest
 
@@ -47,6 +47,14 @@ def test_rendezvous_order_moves_only_what_a_leaving_replica_held() -> None:
     after = {k: left[rendezvous_order(k, left)[0]] for k in keys}
     assert all(after[k] == first[k] for k in keys if first[k] != "r-c")  # the others' keys stay
     assert sorted(rendezvous_order("k", replicas)) == list(range(4))
+
+
+def test_a_busier_preferred_replica_gives_way_to_the_least_loaded() -> None:
+    order = [2, 0, 1]  # replica 2 preferred
+    assert affine_ranks(order, [0, 0, 2], max_imbalance=2) == [[2], [0, 1]]
+    assert affine_ranks(order, [1, 0, 3], max_imbalance=2) == [[0, 1, 2]]  # one past the allowance: all alike
+    assert affine_ranks(order, [1, 1, 1], max_imbalance=0) == [[2], [0, 1]]
+    assert affine_ranks(order, [0, 1, 1], max_imbalance=0) == [[0, 1, 2]]
 
 
 @pytest.fixture(scope="module")
