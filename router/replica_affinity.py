@@ -20,7 +20,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from workers.deployment import GenerateRequest
 
@@ -61,9 +61,12 @@ def affine_ranks(order: list[int], queued: list[int], max_imbalance: int) -> lis
     return [order[:1], order[1:]]
 
 
-class PrefixAffinityRouter(RequestRouter):
+class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     """Serve's request router for the target replicas: a request's preferred replica first, the
-    others next, or all of them alike when the preferred one is too busy (module docstring)."""
+    others next, or all of them alike when the preferred one is too busy (module docstring).
+    Requests are handed their replicas first in, first out, as by Serve's own router: the `n`
+    choices of one HTTP request share its internal request id, which the default exact matching
+    would serve only one of."""
 
     def initialize_state(self, key_chars: int = DEFAULT_KEY_CHARS,
                          max_imbalance: int = DEFAULT_MAX_IMBALANCE, **kwargs: Any) -> None:

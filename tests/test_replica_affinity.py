@@ -87,6 +87,14 @@ def test_every_turn_of_a_conversation_finds_its_earlier_turns(base_url: str) -> 
             earlier = later
 
 
+def test_the_choices_of_one_request_are_all_served(base_url: str) -> None:
+    """`n` choices share their HTTP request's internal id: each is routed, none is left waiting."""
+    body = {"model": MODEL, "prompt": ["Once upon a time", "The weather today is"], "n": 3, "max_tokens": 4}
+    r = requests.post(f"{base_url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == list(range(6))
+
+
 def test_load_runs_conversations_that_find_their_earlier_turns(base_url: str, tmp_path: Path) -> None:
     """`specroute load --turns 3`: each later turn carries the earlier ones and their answers, and
     finds most of its prompt cached on the replica its conversation keeps to."""
