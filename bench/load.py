@@ -215,8 +215,9 @@ def summarize(timings: list[RequestTiming], wall_s: float, args: LoadArgs) -> di
         "turns": args.turns, "prompt_tokens": sum(t.prompt_tokens for t in ok),
         "cached_tokens": sum(t.cached_tokens for t in ok),
         # a conversation's later turns: the share of their prompts found cached, their first tokens' wait
-        "later_turns": len(later), "later_cached_share": sum(t.cached_tokens for t in later) / later_prompt
-        if later_prompt else None, "later_ttft_p50_s": _pct([t.ttft_s for t in later if t.ttft_s is not None], 50),
+        "later_turns": len(later),
+        "later_cached_share": sum(t.cached_tokens for t in later) / later_prompt if later_prompt else None,
+        "later_ttft_p50_s": _pct([t.ttft_s for t in later if t.ttft_s is not None], 50),
     }
 
 

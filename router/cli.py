@@ -18,6 +18,7 @@ from typing import Any
 from router.serve import ServeError
 from workers.config import DEFAULT_TARGET_MODEL, PLAIN, ConfigError, RoutingConfig, load_engine_config
 from workers.result import Logprob, RequestError
+from workers.text_stream import stream_delta
 
 DEFAULT_SERVE_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve.cpu.yaml"
 
@@ -86,13 +87,11 @@ class _Printout:
     or incomplete character may still change it (as the server streams it)."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]) -> None:
-        from workers.text_stream import stream_delta
-
-        self.decode, self.stop, self.delta = decode, stop, stream_delta
+        self.decode, self.stop = decode, stop
         self.sent = ""
 
     def __call__(self, output_ids: list[int]) -> None:
-        if delta := self.delta(self.decode(output_ids), self.sent, self.stop):
+        if delta := stream_delta(self.decode(output_ids), self.sent, self.stop):
             self.sent += delta
             sys.stdout.write(delta)
             sys.stdout.flush()

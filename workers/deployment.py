@@ -159,7 +159,6 @@ class _Slot:
     num_sent_ids: int = 0
     sent_text: str = ""
     echoed: bool = False  # the prompt went out (GenerateRequest.echo)
-    opened: bool = False  # a chunk went out
     prompt_text: str = ""  # a raw prompt's text (decoded where it came as token ids): what echo repeats
     split: ReasoningSplit | None = None  # a chat's output as reasoning and answer, under a reasoning parser
     abandoned: bool = False  # set by the consumer when it stops reading (finished or cancelled)
@@ -485,8 +484,7 @@ class TargetWorker:
         for routed, stats in step.stats:
             slot = self._active[routed]
             num_prompt = routed.gen.ctx.num_prompt
-            first = not slot.opened
-            slot.opened = True
+            first = slot.num_sent_ids == 0  # every step sends a token: none sent yet, this is the first chunk
             prompt_ids = routed.gen.ctx.token_ids[:num_prompt] if slot.request.return_token_ids and first else None
             replies.append((slot, replace(self._chunk(slot, stats), num_prompt_tokens=num_prompt,
                                           prompt_token_ids=prompt_ids)))
