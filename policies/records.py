@@ -402,6 +402,11 @@ class StatsSnapshot:
 
 BATCH_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64)
 STEP_TOKENS_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# a request's prompt and output lengths: vLLM's 1-2-5 series
+REQUEST_TOKENS_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+# how a request left the batch (vLLM's finished_reason values): its output ended (a stop token,
+# string or a complete format), reached max_tokens, was cancelled by its client, or failed
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
 
 
 @dataclass(frozen=True)
@@ -437,10 +442,12 @@ class CountHistogram:
 
 @dataclass(frozen=True)
 class BatchingStats:
-    """A replica's continuous batching: queue lengths now, and per step since it started the
-    requests in the forward, the rows it ran, the tokens it emitted and its seconds; its prefix
-    cache's prompt tokens placed and found (vLLM's queries and hits) and the tokens it holds now;
-    the running requests it preempted for ones of higher priority."""
+    """A replica's continuous batching: queue lengths and the KV positions the running requests
+    reserve, now; per step since it started the requests in the forward, the rows it ran, the
+    tokens it emitted and its seconds; its prefix cache's prompt tokens placed and found (vLLM's
+    queries and hits) and the tokens it holds now; the running requests it preempted for ones of
+    higher priority; the prompt tokens admitted, and per request that left the batch why (counts
+    by FINISH_REASONS) and, for those that finished, its time queued and its lengths."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -452,6 +459,13 @@ class BatchingStats:
     prefix_hits: int = 0
     prefix_held_tokens: int = 0
     num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    kv_cache_used_tokens: int = 0
+    kv_cache_tokens: int = 0  # the KV memory's positions (0: not bounded)
+    finished: tuple[int, ...] = (0,) * len(FINISH_REASONS)
+    queue_s: CountHistogram = CountHistogram(LATENCY_BUCKETS_S)  # arrival to first admission
+    request_prompt_tokens: CountHistogram = CountHistogram(REQUEST_TOKENS_BUCKETS)
+    request_generation_tokens: CountHistogram = CountHistogram(REQUEST_TOKENS_BUCKETS)
 
     @property
     def goodput(self) -> float | None:
@@ -467,13 +481,35 @@ class BatchingStats:
         """The share of prompt tokens found in the prefix cache."""
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else None
 
+    @property
+    def kv_cache_usage(self) -> float | None:
+        """The share of the KV memory the running requests reserve (None: not bounded)."""
+        return self.kv_cache_used_tokens / self.kv_cache_tokens if self.kv_cache_tokens else None
+
+    def finish(self, reason: str, queue_s: float | None = None, num_prompt: int = 0,
+               num_generated: int = 0) -> BatchingStats:
+        """A request left the batch for `reason` (FINISH_REASONS); one that ran to its end brings
+        its time queued (None: it was never admitted) and its lengths."""
+        finished = list(self.finished)
+        finished[FINISH_REASONS.index(reason)] += 1
+        if reason not in ("stop", "length"):
+            return replace(self, finished=tuple(finished))
+        return replace(self, finished=tuple(finished),
+                       queue_s=self.queue_s if queue_s is None else self.queue_s.observe(queue_s),
+                       request_prompt_tokens=self.request_prompt_tokens.observe(num_prompt),
+                       request_generation_tokens=self.request_generation_tokens.observe(num_generated))
+
     def step(self, batch_size: int, num_rows: int, num_emitted: int, step_s: float) -> BatchingStats:
         return replace(self, batch_size=self.batch_size.observe(batch_size),
                        step_tokens=self.step_tokens.observe(num_rows), num_emitted=self.num_emitted + num_emitted,
                        step_s=self.step_s + step_s)
 
     def __add__(self, other: BatchingStats) -> BatchingStats:
-        return BatchingStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+        """Two replicas' together."""
+        def add(a: Any, b: Any) -> Any:
+            return tuple(x + y for x, y in zip(a, b)) if isinstance(a, tuple) else a + b
+
+        return BatchingStats(**{f.name: add(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
 
     def to_json(self) -> dict[str, Any]:
         """Counters as numbers, histograms as [counts, total]."""
@@ -490,6 +526,8 @@ class BatchingStats:
             if isinstance(f.default, CountHistogram):
                 counts, total = data[f.name]
                 values[f.name] = CountHistogram(f.default.edges, tuple(counts), float(total))
+            elif isinstance(f.default, tuple):
+                values[f.name] = tuple(int(n) for n in data[f.name])
             else:
                 values[f.name] = type(f.default)(data[f.name])
         return cls(**values)

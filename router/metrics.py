@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
-from policies.records import LATENCY_BUCKETS_S, PLAIN, Histogram
+from policies.records import FINISH_REASONS, LATENCY_BUCKETS_S, PLAIN, Histogram
 from router.observation import Observation
 
 PREFIX = "specroute_"
@@ -143,6 +143,25 @@ class SpecRouteCollector:
                                 value=b.prefix_held_tokens)
         yield CounterMetricFamily(f"{PREFIX}num_preemptions", "Running requests preempted for requests of higher "
                                   "priority", value=b.num_preemptions)
+        yield CounterMetricFamily(f"{PREFIX}prompt_tokens", "Prompt tokens of the requests admitted",
+                                  value=b.num_prompt_tokens)
+        yield CounterMetricFamily(f"{PREFIX}generation_tokens", "Tokens emitted", value=b.num_emitted)
+        success = CounterMetricFamily(f"{PREFIX}request_success", "Requests that left the batch, by why: stop, "
+                                      "length, abort (cancelled by the client) or error", labels=["finished_reason"])
+        for reason, n in zip(FINISH_REASONS, b.finished):
+            success.add_metric([reason], n)
+        yield success
+        if (usage := b.kv_cache_usage) is not None:
+            yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "The share of the KV cache the running requests "
+                                    "reserve (1 = full), over the replicas", value=usage)
+        for name, hist, help_ in (
+            ("request_queue_time_seconds", b.queue_s, "Seconds a finished request waited for its first admission"),
+            ("request_prompt_tokens", b.request_prompt_tokens, "Prompt tokens of each finished request"),
+            ("request_generation_tokens", b.request_generation_tokens, "Tokens generated for each finished request"),
+        ):
+            family = HistogramMetricFamily(f"{PREFIX}{name}", help_)
+            family.add_metric([], _cumulative(hist.edges, hist.counts), hist.total)
+            yield family
         if (goodput := b.goodput) is not None:
             yield GaugeMetricFamily(f"{PREFIX}goodput_tokens_per_second",
                                     "Tokens emitted per second of target steps, since the replicas started",

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from policies.outlook import measured_speedup
-from policies.records import PLAIN, AcceptanceCounts, StatsSnapshot
+from policies.records import FINISH_REASONS, PLAIN, AcceptanceCounts, StatsSnapshot
 from router.observation import Observation, finite
 
 
@@ -106,7 +106,11 @@ def stats_json(obs: Observation) -> dict[str, Any]:
                      "goodput_tokens_per_s": obs.batching.goodput,
                      "prefix_cache_hit_rate": obs.batching.prefix_hit_rate,
                      "prefix_cache_tokens": obs.batching.prefix_held_tokens,
-                     "num_preemptions": obs.batching.num_preemptions},
+                     "num_preemptions": obs.batching.num_preemptions,
+                     "prompt_tokens": obs.batching.num_prompt_tokens,
+                     "generation_tokens": obs.batching.num_emitted,
+                     "kv_cache_usage": obs.batching.kv_cache_usage,
+                     "finished": dict(zip(FINISH_REASONS, obs.batching.finished))},
         "suffix_caches": {name: {"tokens": dict(m.tokens), "max_tokens": m.max_tokens}
                           for name, m in obs.traffic_memory.items()},
     }

@@ -309,7 +309,23 @@ def test_batching_metrics_count_the_steps(base_url: str, traffic: list[dict]) ->
     assert fams["specroute_prefix_cache_tokens"][0].value > 0
     # first come first served: nothing preempted (tests/test_priority.py preempts)
     assert [(s.name, s.value) for s in fams["specroute_num_preemptions"]] == [("specroute_num_preemptions_total", 0)]
-    assert requests.get(f"{base_url}/v1/stats", timeout=30).json()["batching"]["num_preemptions"] == 0
+    # vLLM's token and request counters: what the responses report, each request once
+    prompt = sum(r["usage"]["prompt_tokens"] for r in RESPONSES)
+    assert [s.value for s in fams["specroute_prompt_tokens"]] == [prompt]
+    assert [s.value for s in fams["specroute_generation_tokens"]] == [completion]
+    reasons = Counter(c["finish_reason"] for r in RESPONSES for c in r["choices"])
+    success = {s.labels["finished_reason"]: s.value for s in fams["specroute_request_success"]}
+    assert success == {"stop": reasons["stop"], "length": reasons["length"], "abort": 0, "error": 0}
+    for name, total in (("request_queue_time_seconds", None), ("request_prompt_tokens", prompt),
+                        ("request_generation_tokens", completion)):
+        hist = {s.name.removeprefix(f"specroute_{name}"): s.value for s in fams[f"specroute_{name}"]}
+        assert hist["_count"] == len(RESPONSES), name
+        assert total is None or hist["_sum"] == total, name
+    assert [s.value for s in fams["specroute_kv_cache_usage_perc"]] == [0]  # nothing running
+    batching = requests.get(f"{base_url}/v1/stats", timeout=30).json()["batching"]
+    assert batching["num_preemptions"] == 0 and batching["kv_cache_usage"] == 0
+    assert (batching["prompt_tokens"], batching["generation_tokens"]) == (prompt, completion)
+    assert batching["finished"] == success
 
 
 def test_a_salted_request_reuses_no_prefix_of_other_requests(base_url: str, traffic: list[dict]) -> None:
@@ -398,7 +414,9 @@ def test_grafana_dashboard_queries_existing_metrics(base_url: str, traffic: list
                 "specroute_verify_stage_seconds_bucket", "specroute_stats_store_connected"}
     assert contract <= used
     assert {"specroute_prefix_cache_hits_total", "specroute_prefix_cache_queries_total",
-            "specroute_num_preemptions_total", "specroute_prefix_cache_tokens"} <= used
+            "specroute_num_preemptions_total", "specroute_prefix_cache_tokens", "specroute_prompt_tokens_total",
+            "specroute_generation_tokens_total", "specroute_kv_cache_usage_perc",
+            "specroute_request_queue_time_seconds_bucket", "specroute_request_success_total"} <= used
     for name in ("datasources/prometheus.yaml", "dashboards/specroute.yaml"):
         assert yaml.safe_load((REPO / "deploy/grafana/provisioning" / name).read_text())["apiVersion"] == 1
 

@@ -1002,6 +1002,7 @@ def test_client_disconnect_frees_the_request(base_url: str) -> None:
 
     worker = serve.get_deployment_handle("TargetWorker", app_name="specroute")
     before = worker.status.remote().result()
+    aborted = _num_finished(base_url, "abort")
     body = {"model": MODEL, "prompt": "Long:", "stream": True, "max_tokens": 900, "temperature": 0,
             "ignore_eos": True, "speculation": {"drafter": "none"}}
     with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=60) as r:
@@ -1014,6 +1015,15 @@ def test_client_disconnect_frees_the_request(base_url: str) -> None:
         time.sleep(0.2)
     assert status["num_cancelled"] == before["num_cancelled"] + 1, status
     assert status["num_finished"] == before["num_finished"] and status["num_active"] == 0
+    assert _num_finished(base_url, "abort") == aborted + 1  # vLLM's request_success_total{finished_reason}
+
+
+def _num_finished(base_url: str, reason: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{base_url}/metrics", timeout=30).text
+    (family,) = (f for f in text_string_to_metric_families(text) if f.name == "specroute_request_success")
+    return next(s.value for s in family.samples if s.labels["finished_reason"] == reason)
 
 
 # -- errors ------------------------------------------------------------------------------------------

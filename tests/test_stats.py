@@ -19,8 +19,10 @@ from helpers import ThrowawayRedis, throwaway_redis_server
 
 from policies.records import (
     CONTEXT_BUCKETS,
+    FINISH_REASONS,
     LATENCY_BUCKETS_S,
     PLAIN,
+    REQUEST_TOKENS_BUCKETS,
     AcceptanceCounts,
     BatchingStats,
     Histogram,
@@ -498,6 +500,22 @@ def test_batching_stats_add_up_and_cross_as_json() -> None:
     assert BatchingStats.from_json(json.loads(json.dumps(total.to_json()))) == total
     earlier = {k: v for k, v in total.to_json().items() if k != "num_preemptions"}  # a replica of an earlier version
     assert BatchingStats.from_json(earlier) == replace(total, num_preemptions=0)
+
+
+def test_batching_stats_count_why_requests_left_and_how_full_the_kv_cache_is() -> None:
+    a = (BatchingStats(kv_cache_used_tokens=300, kv_cache_tokens=1000)
+         .finish("length", 0.004, 12, 30).finish("stop", 0.5, 700, 1).finish("abort").finish("error"))
+    b = BatchingStats(kv_cache_used_tokens=100, kv_cache_tokens=1000).finish("stop", None, 3, 2).finish("abort")
+    total = a + b
+    assert dict(zip(FINISH_REASONS, total.finished)) == {"stop": 2, "length": 1, "abort": 2, "error": 1}
+    assert total.kv_cache_usage == 0.2 and BatchingStats().kv_cache_usage is None  # unbounded: no share
+    # only requests that ran to their end bring their queueing and lengths; one never admitted no queueing
+    assert (total.queue_s.count, total.queue_s.total) == (2, 0.504)
+    assert total.request_prompt_tokens.counts[REQUEST_TOKENS_BUCKETS.index(1000)] == 1  # 700 <= 1000
+    assert (total.request_prompt_tokens.total, total.request_generation_tokens.total) == (715, 33)
+    assert BatchingStats.from_json(json.loads(json.dumps(total.to_json()))) == total
+    with pytest.raises(ValueError):
+        BatchingStats().finish("tool_calls")  # the ingress's name for a stop, not a batch's reason
 
 
 def test_series_one_snapshot_per_bucket(backend: Backend) -> None:

@@ -303,7 +303,8 @@ class TargetWorker:
             "store": asdict(store.health()),
             "batching": replace(self.batching, num_running=self.batch.num_running,
                                 num_waiting=self.batch.num_waiting + len(self._pending),
-                                num_preemptions=self.batch.batch.num_preemptions, **self._prefix_cache()).to_json(),
+                                num_preemptions=self.batch.batch.num_preemptions, **self._prefix_cache(),
+                                **self._kv_cache()).to_json(),
             "traffic_memory": {d.name: asdict(d.memory()) for d in self.engine.learners},
         }
         if include_series:
@@ -321,6 +322,11 @@ class TargetWorker:
             return {}
         return {"prefix_queries": prefix.num_queried_tokens, "prefix_hits": prefix.num_hit_tokens,
                 "prefix_held_tokens": prefix.num_held_tokens}
+
+    def _kv_cache(self) -> dict[str, int]:
+        """The KV positions the running requests reserve and the memory's (vLLM's KV cache usage)."""
+        batch = self.batch.batch
+        return {"kv_cache_used_tokens": batch.num_reserved_tokens, "kv_cache_tokens": batch.kv_cache_tokens or 0}
 
     def set_policy(self, policy: dict[str, Any]) -> PolicyResult:
         """Validate and swap in a policy (a parsed YAML/JSON mapping); a bad one is refused with
@@ -372,16 +378,20 @@ class TargetWorker:
             while self._pending:  # admit: encode, classify, plan; the batch's steps prefill
                 slot = self._pending.popleft()
                 if slot.abandoned:
+                    self.batching = self.batching.finish("abort")
                     continue
                 try:
                     await self._on_engine(self._admit, slot)
                 except Exception as e:  # RequestError, or a bug: the consumer raises it
+                    if not isinstance(e, RequestError):  # a refused request never entered the batch
+                        self.batching = self.batching.finish("error")
                     slot.queue.put_nowait(e)
                     continue
                 assert slot.gen is not None
                 self._active[slot.gen] = slot
             for slot in [s for s in self._active.values() if s.abandoned]:
                 self._num_cancelled += 1
+                self.batching = self.batching.finish("abort")
                 await self._on_engine(self._drop, slot)
             if not self._active:
                 continue
@@ -391,6 +401,7 @@ class TargetWorker:
                 log.exception("batch step failed")
                 replies = [(slot, RuntimeError(f"generation failed: {e!r}")) for slot in list(self._active.values())]
                 for slot, _ in replies:
+                    self.batching = self.batching.finish("error")
                     await self._on_engine(self._drop, slot)
             for slot, item in replies:
                 slot.queue.put_nowait(item)
@@ -473,6 +484,7 @@ class TargetWorker:
         except RequestError as e:  # the engine names its own arguments; the client sent these fields
             param = {"prompt": r.prompt_param, "drafter": "speculation.drafter"}.get(e.param, e.param)
             raise RequestError(e.message, param, e.code) from None
+        self.batching = replace(self.batching, num_prompt_tokens=self.batching.num_prompt_tokens + len(prompt_ids))
 
     def _step(self) -> list[tuple[_Slot, Chunk | BaseException]]:
         """One batched step; each decoding request's chunk (or its failure)."""
@@ -486,13 +498,17 @@ class TargetWorker:
             num_prompt = routed.gen.ctx.num_prompt
             first = slot.num_sent_ids == 0  # every step sends a token: none sent yet, this is the first chunk
             prompt_ids = routed.gen.ctx.token_ids[:num_prompt] if slot.request.return_token_ids and first else None
-            replies.append((slot, replace(self._chunk(slot, stats), num_prompt_tokens=num_prompt,
-                                          prompt_token_ids=prompt_ids)))
+            chunk = self._chunk(slot, stats)
+            replies.append((slot, replace(chunk, num_prompt_tokens=num_prompt, prompt_token_ids=prompt_ids)))
             if routed.finished:
                 del self._active[routed]
                 self._num_finished += 1
+                assert chunk.finish_reason is not None
+                num_generated = len(routed.gen.output_ids) if slot.request.max_tokens else 0
+                self.batching = self.batching.finish(chunk.finish_reason, routed.gen.queue_s, num_prompt, num_generated)
         for routed, e in step.failed:
             slot = self._active.pop(routed)
+            self.batching = self.batching.finish("error")
             self._close(slot)
             replies.append((slot, RuntimeError(f"generation failed: {e!r}")))
         return replies

@@ -141,6 +141,7 @@ class Generation:
         self._broken: set[str] = set()
         self._no_draft = torch.empty(0, dtype=torch.long, device=self.device)
         self.started_at = time.perf_counter()  # the request's start: its queueing and prefill count
+        self.queue_s: float | None = None  # from its start to its first admission (attach)
         self.prefill_s = 0.0
         self.ttft_s: float | None = None
         self.num_prefilled = 0  # positions in the cache while prefilling; the last token runs in a step
@@ -179,8 +180,9 @@ class Generation:
         self.cache = cache
         self._prefill_end = end
         self.num_prefilled = cached
-        if not self.num_preemptions:  # the prompt's reuse, what usage reports
+        if not self.num_preemptions:  # the prompt's reuse, what usage reports; its first admission
             self.num_cached = cached
+            self.queue_s = time.perf_counter() - self.started_at
 
     def detach_cache(self) -> KVCache | None:
         """Take the request's cache away (the scheduler frees its slot, keeping its prefix)."""
