@@ -30,7 +30,8 @@ GREEDY = {"temperature": 0, "max_tokens": 24}
 
 @pytest.fixture(scope="module")
 def base_url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    config = tiny_config.model_copy(update={"drafters": [*tiny_config.drafters, PredictionDrafterConfig()]})
+    config = tiny_config.model_copy(update={"drafters": [*tiny_config.drafters, PredictionDrafterConfig()],
+                                            "log_stats_interval_s": 1.0})
     with serve_tiny_app(config, tmp_path_factory.mktemp("serve"), MODEL) as url:
         yield url
 
@@ -1016,6 +1017,30 @@ def test_client_disconnect_frees_the_request(base_url: str) -> None:
     assert status["num_cancelled"] == before["num_cancelled"] + 1, status
     assert status["num_finished"] == before["num_finished"] and status["num_active"] == 0
     assert _num_finished(base_url, "abort") == aborted + 1  # vLLM's request_success_total{finished_reason}
+
+
+def test_the_worker_logs_vllm_stats_lines(base_url: str) -> None:
+    """vLLM's periodic stats lines, in the replica's Serve log (at INFO, while Serve itself logs
+    warnings only) once a second of serving is over (this app's interval)."""
+    body = {"model": MODEL, "prompt": "a b c d a b c d a b c d a b c d", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "speculation": {"drafter": "self", "draft_len": 3}}
+    assert requests.post(f"{base_url}/v1/completions", json=body, timeout=60).status_code == 200
+    throughput = re.compile(r"INFO .* -- Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: "
+                            r"[\d.]+ tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: [\d.]+%, "
+                            r"Prefix cache hit rate: (-|[\d.]+%)$", re.M)
+    spec = re.compile(r"INFO .* -- SpecDecoding metrics: Mean acceptance length: [\d.]+, Accepted: \d+ tokens, "
+                      r"Drafted: [1-9]\d* tokens, Per-position acceptance rate: [\d.]+, [\d.]+, [\d.]+, "
+                      r"Avg Draft acceptance rate: [\d.]+%, Steps by drafter: .*\bself \d+%", re.M)
+    logs = Path("/tmp/ray/session_latest/logs/serve")
+
+    def logged() -> str:
+        return "".join(f.read_text(errors="replace") for f in logs.glob("replica_specroute_TargetWorker_*.log"))
+
+    deadline = time.monotonic() + 30
+    while not (throughput.search(text := logged()) and spec.search(text)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert throughput.search(text) and spec.search(text), text[-3000:]
+    assert " -- CALL " not in text  # Serve's own access lines (INFO) stay quiet
 
 
 def _num_finished(base_url: str, reason: str) -> float:

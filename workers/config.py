@@ -306,6 +306,9 @@ class EngineConfig(_Strict):
         default_factory=lambda: [NgramDrafterConfig(), PredictionDrafterConfig(), GrammarDrafterConfig()])
     max_draft_len: int = Field(MAX_DRAFT_LEN, ge=1, description="upper bound on k for any drafter")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
+    log_stats_interval_s: float = Field(
+        10.0, ge=0, description="seconds between a replica's stats lines in its log (vLLM's: throughput, queues, "
+                                "KV and prefix cache, acceptance, drafters used) while it serves; 0: none")
 
     def local_paths(self) -> list[tuple[str, Path]]:
         """(config field, path) of every file or directory this engine reads its models from."""

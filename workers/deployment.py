@@ -16,8 +16,10 @@ loading the engine, which is imported when a replica starts.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +34,7 @@ from policies.records import BatchingStats
 from workers.config import EngineConfig, RoutingConfig
 from workers.reasoning import ReasoningSplit, prompt_reasoning_start, reasoning_tokens
 from workers.result import GenerationResult, RequestError, StepStats, TokenLogprobs
+from workers.stats_log import StatsLogger
 from workers.structured import OutputFormat
 from workers.text_stream import stream_delta
 
@@ -41,6 +44,9 @@ if TYPE_CHECKING:
     from workers.routing import RoutedBatch, RoutedGeneration, Router
 
 log = logging.getLogger(__name__)
+# the replica's stats lines: through Serve's handlers (its log file, the driver's console, its
+# format) at INFO whatever Serve's own level (quiet by default: a line per request is INFO there)
+stats_log = logging.getLogger("ray.serve.specroute")
 T = TypeVar("T")
 
 
@@ -203,6 +209,9 @@ class TargetWorker:
         self._loop_task: asyncio.Task | None = None
         self._num_finished = 0
         self._num_cancelled = 0
+        interval_s = self.config.log_stats_interval_s
+        self._stats_log = StatsLogger(interval_s) if interval_s else None
+        stats_log.setLevel(logging.INFO)
 
     def _remote_timeout(self, name: str) -> float:
         (drafter,) = (d for d in self.config.drafters if d.name == name)
@@ -301,10 +310,7 @@ class TargetWorker:
                                                               self.router.own_length)],
             "measured_speedup": {domain: measured_speedup(window, domain) for domain in policy.domains},
             "store": asdict(store.health()),
-            "batching": replace(self.batching, num_running=self.batch.num_running,
-                                num_waiting=self.batch.num_waiting + len(self._pending),
-                                num_preemptions=self.batch.batch.num_preemptions, **self._prefix_cache(),
-                                **self._kv_cache()).to_json(),
+            "batching": self._batching_now().to_json(),
             "traffic_memory": {d.name: asdict(d.memory()) for d in self.engine.learners},
         }
         if include_series:
@@ -314,6 +320,12 @@ class TargetWorker:
                 for p in store.series(policy.window.seconds)
             ]
         return out
+
+    def _batching_now(self) -> BatchingStats:
+        """The replica's batching stats with its queues, KV cache and prefix cache as they are now."""
+        return replace(self.batching, num_running=self.batch.num_running,
+                       num_waiting=self.batch.num_waiting + len(self._pending),
+                       num_preemptions=self.batch.batch.num_preemptions, **self._prefix_cache(), **self._kv_cache())
 
     def _prefix_cache(self) -> dict[str, int]:
         """The prefix cache's counters for BatchingStats (zeros without one)."""
@@ -364,7 +376,25 @@ class TargetWorker:
     # -- the step loop --------------------------------------------------------------------------
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+            # a context of its own: not the request's that started it (Serve's logs name that request)
+            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), context=contextvars.Context())
+
+    async def _idle(self) -> None:
+        """Wait for a request; the stats lines of the last steps' interval when it is over meanwhile."""
+        due = self._stats_log.due_in(time.monotonic()) if self._stats_log is not None else None
+        if due is not None:
+            try:
+                await asyncio.wait_for(self._wake.wait(), due)
+                return
+            except TimeoutError:
+                self._log_stats()
+        await self._wake.wait()
+
+    def _log_stats(self) -> None:
+        if self._stats_log is None:
+            return
+        for line in self._stats_log.lines(self._batching_now(), time.monotonic()):
+            stats_log.info(line)
 
     async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -373,7 +403,7 @@ class TargetWorker:
         while True:
             if not self._pending and not self._active:
                 self._wake.clear()
-                await self._wake.wait()
+                await self._idle()
             self.router.reload_if_changed()  # a stat() every few seconds at most
             while self._pending:  # admit: encode, classify, plan; the batch's steps prefill
                 slot = self._pending.popleft()
@@ -488,8 +518,11 @@ class TargetWorker:
 
     def _step(self) -> list[tuple[_Slot, Chunk | BaseException]]:
         """One batched step; each decoding request's chunk (or its failure)."""
+        started_s = time.monotonic()
         step = self.batch.step()
         b = step.batch
+        if self._stats_log is not None:
+            self._stats_log.step((st for _, st in step.stats), started_s, self._batching_now)
         self.batching = self.batching.step(b.batch_size, b.num_rows, sum(st.num_emitted for _, st in step.stats),
                                            b.forward_s)
         replies: list[tuple[_Slot, Chunk | BaseException]] = []
@@ -511,6 +544,7 @@ class TargetWorker:
             self.batching = self.batching.finish("error")
             self._close(slot)
             replies.append((slot, RuntimeError(f"generation failed: {e!r}")))
+        self._log_stats()
         return replies
 
     def _chunk(self, slot: _Slot, step: StepStats) -> Chunk:
