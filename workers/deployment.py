@@ -381,19 +381,20 @@ class TargetWorker:
 
     async def _idle(self) -> None:
         """Wait for a request; the stats lines of the last steps' interval when it is over meanwhile."""
-        due = self._stats_log.due_in(time.monotonic()) if self._stats_log is not None else None
-        if due is not None:
+        while self._stats_log is not None and (due := self._stats_log.due_in(time.monotonic())) is not None:
             try:
                 await asyncio.wait_for(self._wake.wait(), due)
                 return
-            except TimeoutError:
+            except TimeoutError:  # (a timer may fire a little early: then it waits again)
                 self._log_stats()
         await self._wake.wait()
 
     def _log_stats(self) -> None:
-        if self._stats_log is None:
+        """The stats lines of an interval that is over (workers/stats_log.py)."""
+        now_s = time.monotonic()
+        if self._stats_log is None or self._stats_log.due_in(now_s) != 0.0:
             return
-        for line in self._stats_log.lines(self._batching_now(), time.monotonic()):
+        for line in self._stats_log.lines(self._batching_now(), now_s):
             stats_log.info(line)
 
     async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
