@@ -29,6 +29,10 @@ def test_lines_give_the_interval_rates_acceptance_and_drafters() -> None:
     plain = SpecCounts()
     plain.add(_step(PLAIN, 0, 0))
     assert stats_lines(now, now, plain, 1.0)[1] == "SpecDecoding metrics: no drafts, Steps by drafter: none 100%"
+    for _ in range(299):
+        plain.add(_step(PLAIN, 0, 0))
+    plain.add(_step("ngram", 0, 0))  # asked, proposed nothing
+    assert stats_lines(now, now, plain, 1.0)[1].endswith("Steps by drafter: none 100%, ngram <1%")
     assert "KV cache usage: -, Prefix cache hit rate: -" in stats_lines(BatchingStats(), BatchingStats(), SpecCounts(),
                                                                         1.0)[0]
 

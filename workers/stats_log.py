@@ -61,7 +61,7 @@ def stats_lines(before: BatchingStats, now: BatchingStats, spec: SpecCounts, sec
     num_steps = sum(spec.steps_by_drafter.values())
     if not num_steps:
         return lines
-    drafters = ", ".join(f"{name} {100 * n / num_steps:.0f}%" for name, n in spec.steps_by_drafter.most_common())
+    drafters = ", ".join(f"{name} {_percent(n / num_steps)}" for name, n in spec.steps_by_drafter.most_common())
     if not spec.num_drafts:
         lines.append(f"SpecDecoding metrics: no drafts, Steps by drafter: {drafters}")
         return lines
@@ -75,6 +75,10 @@ def stats_lines(before: BatchingStats, now: BatchingStats, spec: SpecCounts, sec
         f"Steps by drafter: {drafters}"
     )
     return lines
+
+
+def _percent(share: float) -> str:
+    return "<1%" if 0 < share < 0.005 else f"{100 * share:.0f}%"
 
 
 class StatsLogger:
