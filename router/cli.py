@@ -1,4 +1,4 @@
-"""The `specroute` command line: serve, generate, bench, load, policy, train-classifier, train-drafter and gen-answers.
+"""The `specroute` command line: serve, run-batch, generate, bench, load, policy, train-*, gen-answers.
 
 Heavy imports (torch, Ray) happen inside each command so `specroute --help` stays instant and a
 bad argument is reported before any model loads.
@@ -230,6 +230,36 @@ def cmd_load(args: argparse.Namespace) -> int:
     return 0 if all(r["errors"] == 0 for r in runs) else 1
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    import os
+
+    from router.run_batch import BatchFileError, describe, free_port, progress, read_batch, run_batch
+    from router.serve import load_serve_config, serve, shutdown
+
+    try:
+        batch = read_batch(_existing_file(args.input_file, "--input-file"))
+    except BatchFileError as e:
+        raise CLIError(str(e)) from None
+    api_key = args.api_key or os.environ.get("SPECROUTE_API_KEY")  # router/control.py API_KEY_ENV
+
+    def answer(base_url: str) -> int:
+        with args.output_file.open("w", encoding="utf-8") as out:
+            summary = run_batch(batch, base_url, out, args.concurrency, api_key, progress(len(batch)))
+        print(describe(summary, args.output_file), file=sys.stderr)
+        return 0 if summary.num_failed == 0 else 1
+
+    if args.url is not None:
+        return answer(args.url)
+    config = _existing_file(args.config, "--config")
+    prefix = (load_serve_config(config)["applications"][0].get("route_prefix") or "/").rstrip("/")
+    port = free_port()
+    serve(config, host="127.0.0.1", port=port, blocking=False)
+    try:
+        return answer(f"http://127.0.0.1:{port}{prefix}")
+    finally:
+        shutdown()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from router.serve import serve
 
@@ -366,6 +396,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.set_defaults(func=cmd_serve)
+
+    rb = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSONL) through the service (vLLM's "
+                        "run-batch)")
+    rb.add_argument("-i", "--input-file", type=Path, required=True,
+                    help="one request a line: custom_id, method POST, url (/v1/chat/completions, /v1/completions, "
+                         "/v1/responses), body")
+    rb.add_argument("-o", "--output-file", type=Path, required=True,
+                    help="one answer a line, in input order (OpenAI's batch output)")
+    rb.add_argument("--url", help="a running server (default: start one from --config, stopped after)")
+    rb.add_argument("--config", type=Path, default=DEFAULT_SERVE_CONFIG, help="Serve config YAML, without --url")
+    rb.add_argument("--concurrency", type=_positive_int, default=16, help="requests in flight at once")
+    rb.add_argument("--api-key", help="the server's api_key (default: $SPECROUTE_API_KEY)")
+    rb.set_defaults(func=cmd_run_batch)
 
     gen = sub.add_parser("generate", help="generate in-process (no Ray)")
     gen.add_argument("--prompt", required=True)

@@ -68,14 +68,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def serve_tiny_app(engine: EngineConfig, workdir: Path, model_name: str, deployments: list[dict] | None = None,
-                   **args: Any) -> Iterator[str]:
-    """Ray (local) and the Serve app on 127.0.0.1, one CPU replica unless `args` say otherwise;
-    `deployments`: the Serve config's per-deployment overrides. Yields the base URL and shuts
-    Serve down after."""
-    from router.serve import serve, shutdown
-
+def tiny_serve_config(engine: EngineConfig, workdir: Path, model_name: str, deployments: list[dict] | None = None,
+                      **args: Any) -> tuple[Path, int]:
+    """A Serve config of the app on 127.0.0.1 and a free port, one CPU replica unless `args` say
+    otherwise; `deployments`: the Serve config's per-deployment overrides. Its path, and the port."""
     port = free_port()
     app_args = {"served_model_name": model_name, "engine": engine.model_dump(mode="json"), "max_ongoing_requests": 8,
                 "num_replicas": 1, "num_cpus": 1, "num_gpus": 0,
@@ -88,6 +84,17 @@ def serve_tiny_app(engine: EngineConfig, workdir: Path, model_name: str, deploym
     }
     path = workdir / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
+    return path, port
+
+
+@contextmanager
+def serve_tiny_app(engine: EngineConfig, workdir: Path, model_name: str, deployments: list[dict] | None = None,
+                   **args: Any) -> Iterator[str]:
+    """Ray (local) and the Serve app of `tiny_serve_config`. Yields the base URL and shuts Serve
+    down after."""
+    from router.serve import serve, shutdown
+
+    path, port = tiny_serve_config(engine, workdir, model_name, deployments, **args)
     serve(path, host="127.0.0.1", port=port, blocking=False)
     try:
         yield f"http://127.0.0.1:{port}"

@@ -1043,6 +1043,24 @@ def test_the_worker_logs_vllm_stats_lines(base_url: str) -> None:
     assert " -- CALL " not in text  # Serve's own access lines (INFO) stay quiet
 
 
+def test_run_batch_against_a_running_server(base_url: str, tmp_path: Path) -> None:
+    """`specroute run-batch --url`: a batch file's requests answered by the running service, as
+    each would be alone (tests/test_run_batch.py starts a service of its own)."""
+    from router.cli import main
+
+    body = {"model": MODEL, "prompt": "Count: one two three", "max_tokens": 10, "temperature": 0}
+    alone = requests.post(f"{base_url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {**body, "speculation": {"drafter": ("none", "ngram", "auto")[i % 3]}}} for i in range(6)]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["run-batch", "-i", str(src), "-o", str(out), "--url", base_url, "--concurrency", "4"]) == 0
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [g["custom_id"] for g in got] == [f"r{i}" for i in range(6)]
+    assert {g["response"]["status_code"] for g in got} == {200}
+    assert {g["response"]["body"]["choices"][0]["text"] for g in got} == {alone}
+
+
 def _num_finished(base_url: str, reason: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
