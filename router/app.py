@@ -161,6 +161,16 @@ class AppArgs(BaseModel):
         None, description=f"the inference endpoints and /v1/models require `Authorization: Bearer <api_key>` "
                           f"(or `x-api-key: <api_key>`) (default: ${API_KEY_ENV}; none: open)",
     )
+    allowed_origins: list[str] = Field(
+        default_factory=lambda: list(guard.CorsSettings.allow_origins),
+        description="origins whose web pages may call the API (CORS, vLLM's --allowed-origins; [] sends no "
+                    "cross-origin headers: browsers then allow only the service's own origin)")
+    allowed_methods: list[str] = Field(default_factory=lambda: list(guard.CorsSettings.allow_methods),
+                                       description="CORS: the methods other origins may use")
+    allowed_headers: list[str] = Field(default_factory=lambda: list(guard.CorsSettings.allow_headers),
+                                       description="CORS: the request headers other origins may send")
+    allow_credentials: bool = Field(guard.CorsSettings.allow_credentials,
+                                    description="CORS: whether other origins' requests may carry cookies")
     allowed_dirs: list[str] = Field(
         default_factory=list, description=f"directories, besides the repository's models/ and policies/ and "
                                           f"${MODEL_DIRS_ENV}, that models, checkpoints and policies may be read from",
@@ -305,6 +315,7 @@ def _refusal(status: int, message: str, code: str, path: str) -> JSONResponse:
 
 app = FastAPI(title="SpecRoute", description="OpenAI-compatible speculative decoding with drafter routing")
 app.add_middleware(guard.RequestGuard, refuse=_refusal)
+app.add_middleware(guard.CrossOrigin)  # outermost: a preflight never meets the API key check
 
 
 @app.exception_handler(RequestValidationError)
@@ -466,7 +477,9 @@ class OpenAIIngress:
         self._context_limit: int | None = None
         self.admin_token = self.args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
         guard.configure(self.args.max_request_bytes, self.args.retry_after_s,
-                        self.args.api_key or os.environ.get(API_KEY_ENV))
+                        self.args.api_key or os.environ.get(API_KEY_ENV),
+                        guard.CorsSettings(tuple(self.args.allowed_origins), tuple(self.args.allowed_methods),
+                                           tuple(self.args.allowed_headers), self.args.allow_credentials))
         self.dashboard_html = (STATIC_DIR / "dashboard.html").read_text()
         self.static = {name: (STATIC_DIR / name).read_bytes() for name in STATIC_FILES}
 

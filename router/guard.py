@@ -1,5 +1,6 @@
 """The ingress's per-request guard, before any routing or parsing: the API key of inference
-endpoints and the request-size limit, plus the Retry-After of refusals.
+endpoints and the request-size limit, plus the Retry-After of refusals; and the cross-origin
+(CORS) headers browsers need to call the API from another origin.
 
 Serve runs one ingress per replica process and serves a frozen (pickled) copy of the FastAPI app;
 the ingress class itself is pickled by value. Both reach these settings through this module, which
@@ -12,6 +13,7 @@ import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
@@ -23,20 +25,51 @@ API_KEY_PREFIXES = ("/v1/models/",)  # a model's card
 Refusal = Callable[[int, str, str, str], ASGIApp]  # (status, message, code, path) -> the response
 
 
+@dataclass(frozen=True)
+class CorsSettings:
+    """Which other origins' pages may call the API (Starlette's CORSMiddleware; vLLM's defaults)."""
+
+    allow_origins: tuple[str, ...] = ("*",)  # none: no cross-origin headers at all
+    allow_methods: tuple[str, ...] = ("*",)
+    allow_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
 @dataclass
 class Settings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     retry_after_s: int = DEFAULT_RETRY_AFTER_S
     api_key: str | None = None  # None: inference is open
+    cors: CorsSettings = CorsSettings()
 
 
 SETTINGS = Settings()
 
 
-def configure(max_request_bytes: int, retry_after_s: int, api_key: str | None) -> None:
+def configure(max_request_bytes: int, retry_after_s: int, api_key: str | None,
+              cors: CorsSettings = CorsSettings()) -> None:
     SETTINGS.max_request_bytes = max_request_bytes
     SETTINGS.retry_after_s = retry_after_s
     SETTINGS.api_key = api_key or None
+    SETTINGS.cors = cors
+
+
+class CrossOrigin:
+    """ASGI middleware: Starlette's CORSMiddleware with the origins the ingress was configured with,
+    built at the first request (the app exists before the ingress reads its arguments); it answers
+    a browser's preflight itself, so the API key is never asked of one. No origins: passes through."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self._inner: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._inner is None:
+            c = SETTINGS.cors
+            self._inner = self.app if not c.allow_origins else CORSMiddleware(
+                self.app, allow_origins=list(c.allow_origins), allow_methods=list(c.allow_methods),
+                allow_headers=list(c.allow_headers), allow_credentials=c.allow_credentials)
+        await self._inner(scope, receive, send)
 
 
 def bearer_matches(expected: str, authorization: str | None) -> bool:

@@ -34,6 +34,7 @@ API_KEY = "sk-test-inference-key"
 ADMIN = "admin-test-token"
 MAX_BODY = 16 * 1024
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ORIGIN = "https://chat.example"  # the one origin whose pages may call this app
 ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Count: one two three"}], "max_tokens": 8,
         "temperature": 0}
@@ -51,7 +52,8 @@ def base_url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory
              redis_server: ThrowawayRedis) -> Iterator[str]:
     with serve_tiny_app(tiny_config, tmp_path_factory.mktemp("serve"), MODEL, api_key=API_KEY, admin_token=ADMIN,
                         max_request_bytes=MAX_BODY, max_ongoing_requests=1, max_queued_requests=1,
-                        stats_url=redis_server.url, stats_prefix="reliability") as url:
+                        stats_url=redis_server.url, stats_prefix="reliability",
+                        allowed_origins=[ORIGIN]) as url:
         yield url
 
 
@@ -187,6 +189,27 @@ def test_inference_needs_the_api_key(base_url: str) -> None:
     bad = openai.OpenAI(base_url=f"{base_url}/v1", api_key="sk-wrong", max_retries=0, timeout=60)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_only_the_allowed_origin_may_call_from_a_browser(base_url: str) -> None:
+    """CORS with `allowed_origins` set: a browser's preflight (which carries no key) is answered for
+    the allowed origin and refused for another; answers, refusals included, carry the header the
+    browser needs to hand them to the page."""
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    url = f"{base_url}/v1/chat/completions"
+    ok = requests.options(url, headers={"Origin": ORIGIN, **preflight}, timeout=30)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
+    assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+    other = requests.options(url, headers={"Origin": "https://elsewhere.example", **preflight}, timeout=30)
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    answered = _post(base_url, "/v1/chat/completions", body, headers={**AUTH, "Origin": ORIGIN})
+    assert answered.status_code == 200 and answered.headers["access-control-allow-origin"] == ORIGIN
+    refused = _post(base_url, "/v1/chat/completions", body, headers={"Origin": ORIGIN})
+    _assert_openai_error(refused, 401)
+    assert refused.headers["access-control-allow-origin"] == ORIGIN
+    stranger = _post(base_url, "/v1/chat/completions", body, headers={**AUTH, "Origin": "https://elsewhere.example"})
+    assert stranger.status_code == 200 and "access-control-allow-origin" not in stranger.headers
 
 
 def test_anthropics_messages_take_the_key_as_anthropics_clients_send_it(base_url: str) -> None:

@@ -1061,6 +1061,17 @@ def test_run_batch_against_a_running_server(base_url: str, tmp_path: Path) -> No
     assert {g["response"]["body"]["choices"][0]["text"] for g in got} == {alone}
 
 
+def test_any_origin_may_call_by_default(base_url: str) -> None:
+    """CORS as vLLM's defaults have it: a page of any origin may call the API."""
+    url = f"{base_url}/v1/completions"
+    preflight = requests.options(url, headers={"Origin": "https://notebook.example",
+                                              "Access-Control-Request-Method": "POST"}, timeout=30)
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+    r = requests.post(url, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60,
+                      headers={"Origin": "https://notebook.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
 def _num_finished(base_url: str, reason: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
