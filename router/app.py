@@ -23,7 +23,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve import Application
@@ -142,7 +142,9 @@ class AppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    served_model_name: str = Field(DEFAULT_SERVED_MODEL_NAME, description="the `model` clients send")
+    served_model_name: str | list[str] = Field(
+        DEFAULT_SERVED_MODEL_NAME, description="the `model` clients send; a list: each of these names (vLLM's), "
+                                               "the first the one responses carry")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="target, drafters, engine")
     routing: RoutingConfig = Field(default_factory=RoutingConfig, description="routing policy and its start")
     stats_url: str | None = Field(
@@ -194,6 +196,19 @@ class AppArgs(BaseModel):
     affinity_max_imbalance: int = Field(
         DEFAULT_MAX_IMBALANCE, ge=0, description="prefix_affinity: requests a replica may have queued beyond the "
                                                  "least loaded one and still be preferred")
+
+    @property
+    def model_names(self) -> list[str]:
+        names = self.served_model_name
+        return [names] if isinstance(names, str) else list(names)
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _names(cls, value: str | list[str]) -> str | list[str]:
+        names = [value] if isinstance(value, str) else value
+        if not names or not all(name.strip() for name in names) or len(set(names)) != len(names):
+            raise ValueError("give a name, or a list of distinct non-empty names")
+        return value
 
     @model_validator(mode="after")
     def _replicas(self) -> "AppArgs":
@@ -472,7 +487,8 @@ class OpenAIIngress:
     def __init__(self, worker: DeploymentHandle, args: dict[str, Any]) -> None:
         self.args = AppArgs.model_validate(args)
         self.worker = worker
-        self.model_name = self.args.served_model_name
+        self.model_names = self.args.model_names
+        self.model_name = self.model_names[0]  # what responses carry, whichever name was asked for
         self.created = int(time.time())
         self._context_limit: int | None = None
         self.admin_token = self.args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
@@ -495,12 +511,12 @@ class OpenAIIngress:
 
     @app.get("/v1/models")
     async def models(self) -> ModelList:
-        return ModelList(data=[await self._card()])
+        return ModelList(data=[await self._card(name) for name in self.model_names])
 
     @app.get("/v1/models/{model}")
     async def model(self, model: str) -> ModelCard:
         self._check_model(model)
-        return await self._card()
+        return await self._card(model)
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
@@ -750,13 +766,14 @@ class OpenAIIngress:
                 raise APIError(503, f"no worker replica answered max_model_len: {e!r}", type="internal_error") from None
         return self._context_limit
 
-    async def _card(self) -> ModelCard:
-        return ModelCard(id=self.model_name, created=self.created, max_model_len=await self._max_model_len())
+    async def _card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, created=self.created, max_model_len=await self._max_model_len())
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model '{model}' does not exist; this server serves "
-                                f"'{self.model_name}'", "model", "model_not_found")
+        if model is not None and model not in self.model_names:
+            served = ", ".join(f"'{name}'" for name in self.model_names)
+            raise APIError(404, f"The model '{model}' does not exist; this server serves {served}", "model",
+                           "model_not_found")
 
     async def _requests(self, body: GenerationRequestBase, prompts: Sequence[Prompt]) -> list[GenerateRequest]:
         """One request per choice, `n` per prompt, prompt by prompt; a seed gives each prompt's choice i

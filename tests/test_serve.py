@@ -24,6 +24,7 @@ from workers.config import EngineConfig, PredictionDrafterConfig
 openai = pytest.importorskip("openai")
 
 MODEL = "tiny-test-model"
+ALIAS = "tiny-alias"  # a second served name of the same model
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 GREEDY = {"temperature": 0, "max_tokens": 24}
 
@@ -32,7 +33,7 @@ GREEDY = {"temperature": 0, "max_tokens": 24}
 def base_url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     config = tiny_config.model_copy(update={"drafters": [*tiny_config.drafters, PredictionDrafterConfig()],
                                             "log_stats_interval_s": 1.0})
-    with serve_tiny_app(config, tmp_path_factory.mktemp("serve"), MODEL) as url:
+    with serve_tiny_app(config, tmp_path_factory.mktemp("serve"), MODEL, served_model_name=[MODEL, ALIAS]) as url:
         yield url
 
 
@@ -79,10 +80,14 @@ def test_healthz_and_models(base_url: str, client) -> None:
     assert requests.get(f"{base_url}/healthz", timeout=10).status_code == 200
     assert requests.get(f"{base_url}/health", timeout=10).status_code == 200  # vLLM's path
     assert requests.get(f"{base_url}/version", timeout=10).json()["version"] == importlib.metadata.version("specroute")
-    assert [m.id for m in client.models.list().data] == [MODEL]
-    assert client.models.retrieve(MODEL).id == MODEL
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]  # vLLM's list of served names
+    assert client.models.retrieve(MODEL).id == MODEL and client.models.retrieve(ALIAS).id == ALIAS
     r = requests.get(f"{base_url}/v1/models/nope", timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert f"'{MODEL}', '{ALIAS}'" in r.json()["error"]["message"]
+    # a request may name either; the answer carries the first name, as vLLM's do
+    answer = client.completions.create(model=ALIAS, prompt="Hi", max_tokens=2, temperature=0)
+    assert answer.model == MODEL
 
 
 def test_chat_completion(client) -> None:
