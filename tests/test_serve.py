@@ -32,7 +32,7 @@ GREEDY = {"temperature": 0, "max_tokens": 24}
 @pytest.fixture(scope="module")
 def base_url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     config = tiny_config.model_copy(update={"drafters": [*tiny_config.drafters, PredictionDrafterConfig()],
-                                            "log_stats_interval_s": 1.0})
+                                            "log_stats_interval_s": 1.0, "log_requests": True})
     with serve_tiny_app(config, tmp_path_factory.mktemp("serve"), MODEL, served_model_name=[MODEL, ALIAS]) as url:
         yield url
 
@@ -1022,6 +1022,7 @@ def test_client_disconnect_frees_the_request(base_url: str) -> None:
     assert status["num_cancelled"] == before["num_cancelled"] + 1, status
     assert status["num_finished"] == before["num_finished"] and status["num_active"] == 0
     assert _num_finished(base_url, "abort") == aborted + 1  # vLLM's request_success_total{finished_reason}
+    assert " -- Cancelled request: the client went away" in _worker_log()
 
 
 def test_the_worker_logs_vllm_stats_lines(base_url: str) -> None:
@@ -1036,16 +1037,35 @@ def test_the_worker_logs_vllm_stats_lines(base_url: str) -> None:
     spec = re.compile(r"INFO .* -- SpecDecoding metrics: Mean acceptance length: [\d.]+, Accepted: \d+ tokens, "
                       r"Drafted: [1-9]\d* tokens, Per-position acceptance rate: [\d.]+, [\d.]+, [\d.]+, "
                       r"Avg Draft acceptance rate: [\d.]+%, Steps by drafter: .*\bself \d+%", re.M)
-    logs = Path("/tmp/ray/session_latest/logs/serve")
-
-    def logged() -> str:
-        return "".join(f.read_text(errors="replace") for f in logs.glob("replica_specroute_TargetWorker_*.log"))
-
     deadline = time.monotonic() + 30
-    while not (throughput.search(text := logged()) and spec.search(text)) and time.monotonic() < deadline:
+    while not (throughput.search(text := _worker_log()) and spec.search(text)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert throughput.search(text) and spec.search(text), text[-3000:]
     assert " -- CALL " not in text  # Serve's own access lines (INFO) stay quiet
+
+
+def test_the_worker_logs_each_request_under_its_request_id(base_url: str) -> None:
+    """`log_requests` (vLLM's): a line when a request arrives and when it finishes, each carrying
+    the request id the client got in `x-request-id` (Serve's log format)."""
+    prompt = f"Log me {time.monotonic_ns()}: one two three"
+    r = requests.post(f"{base_url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 7, "temperature": 0, "ignore_eos": True, "seed": 3})
+    assert r.status_code == 200
+    rid = r.headers["x-request-id"]
+    received = re.compile(rf"INFO .* {re.escape(rid)} -- Received request: prompt: {re.escape(repr(prompt))}, "
+                          r"params: \{max_tokens=7, .*seed=3")
+    finished = re.compile(rf"INFO .* {re.escape(rid)} -- Finished request: length, \d+ prompt tokens \(\d+ cached\), "
+                          r"7 output tokens in \d+ steps \(mean acceptance length [\d.]+; drafters .*\), "
+                          r"TTFT [\d.]+ s, total [\d.]+ s")
+    deadline = time.monotonic() + 30
+    while not (received.search(text := _worker_log()) and finished.search(text)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert received.search(text) and finished.search(text), text[-3000:]
+
+
+def _worker_log() -> str:
+    logs = Path("/tmp/ray/session_latest/logs/serve")
+    return "".join(f.read_text(errors="replace") for f in logs.glob("replica_specroute_TargetWorker_*.log"))
 
 
 def test_run_batch_against_a_running_server(base_url: str, tmp_path: Path) -> None:

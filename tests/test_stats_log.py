@@ -4,8 +4,8 @@ the steps, and when lines are due."""
 from __future__ import annotations
 
 from policies.records import PLAIN, BatchingStats
-from workers.result import StepStats
-from workers.stats_log import SpecCounts, StatsLogger, stats_lines
+from workers.result import GenerationResult, RoutingReport, StepStats
+from workers.stats_log import SpecCounts, StatsLogger, finished_line, received_line, stats_lines
 
 
 def _step(drafter: str, k: int, accepted: int) -> StepStats:
@@ -54,3 +54,17 @@ def test_lines_come_once_an_interval_with_steps_is_over() -> None:
     later = log.lines(done.step(1, 1, 30, 0.01), 510.0)
     assert later[0].startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 3.0 tokens/s")
     assert later[1] == "SpecDecoding metrics: no drafts, Steps by drafter: none 100%"
+
+
+def test_request_lines_show_the_prompt_the_settings_and_the_outcome() -> None:
+    line = received_line("Summarize: " + "x" * 50, {"max_tokens": 32, "stop": ("\n",)}, 20)
+    assert line == ("Received request: prompt: 'Summarize: xxxxxxxxx... (61 characters)', "
+                    "params: {max_tokens=32, stop=('\\n',)}")
+    chat = received_line([{"role": "user", "content": "Hi"}], {}, None)
+    assert chat == 'Received request: prompt: \'[{"role": "user", "content": "Hi"}]\', params: {}'
+    report = RoutingReport("code", "model", 0.9, "default-7", "ngram", 4, "best", 1.4, (), ())
+    result = GenerationResult([1, 2, 3], [4, 5, 6, 7], "text", "length", 2, 4, 2, [1, 1], [1, 1], ["ngram"], 0.01,
+                              0.25, 0.05, routing=report, num_cached_tokens=2)
+    assert finished_line(result) == (
+        "Finished request: length, 3 prompt tokens (2 cached), 4 output tokens in 2 steps (mean acceptance "
+        "length 2.00; drafters ngram, domain code, plan ngram (best)), TTFT 0.050 s, total 0.250 s")

@@ -309,6 +309,10 @@ class EngineConfig(_Strict):
     log_stats_interval_s: float = Field(
         10.0, ge=0, description="seconds between a replica's stats lines in its log (vLLM's: throughput, queues, "
                                 "KV and prefix cache, acceptance, drafters used) while it serves; 0: none")
+    log_requests: bool = Field(False, description="a replica logs each request received (prompt, parameters) "
+                                                  "and finished (routing, acceptance, times), as vLLM's")
+    max_log_len: int | None = Field(None, ge=0, description="log_requests: the prompt's first so many characters "
+                                                             "(None: all)")
 
     def local_paths(self) -> list[tuple[str, Path]]:
         """(config field, path) of every file or directory this engine reads its models from."""

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import psutil
@@ -34,7 +34,7 @@ from policies.records import BatchingStats
 from workers.config import EngineConfig, RoutingConfig
 from workers.reasoning import ReasoningSplit, prompt_reasoning_start, reasoning_tokens
 from workers.result import GenerationResult, RequestError, StepStats, TokenLogprobs
-from workers.stats_log import StatsLogger
+from workers.stats_log import StatsLogger, finished_line, received_line
 from workers.structured import OutputFormat
 from workers.text_stream import stream_delta
 
@@ -224,21 +224,37 @@ class TargetWorker:
         """Chunks of one request as its steps complete. A request that cannot be served gets
         one chunk carrying the RequestError as `error`."""
         slot = _Slot(request)
+        logged = self.config.log_requests  # in the request's context: Serve's log lines name it
+        if logged:
+            stats_log.info(received_line(request.prompt if request.prompt_token_ids is None
+                                         else list(request.prompt_token_ids), _set_fields(request),
+                                         self.config.max_log_len))
         self._pending.append(slot)
         self._ensure_loop()
         self._wake.set()
+        finished = False
         try:
             while True:
                 item = await slot.queue.get()
                 if isinstance(item, RequestError):
+                    if logged:
+                        stats_log.info("Refused request: %s", item.message)
+                    finished = True
                     yield Chunk([], "", error=item)
                     return
                 if isinstance(item, BaseException):
+                    finished = True
                     raise item
-                yield item
                 if item.finish_reason is not None:
+                    finished = True
+                    if logged and item.stats is not None:
+                        stats_log.info(finished_line(item.stats))
+                yield item
+                if finished:
                     return
         finally:
+            if logged and not finished:
+                stats_log.info("Cancelled request: the client went away")
             slot.abandoned = True  # when still active, the step loop closes it
             self._wake.set()
 
@@ -685,6 +701,18 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # outside a Serve replica (tests that build the class directly)
         return ""
+
+
+def _set_fields(request: GenerateRequest) -> dict[str, Any]:
+    """The request's fields that differ from their defaults, the prompt aside (what a log line shows)."""
+    out = {}
+    for f in fields(request):
+        if f.name in ("prompt", "prompt_token_ids"):
+            continue
+        value = getattr(request, f.name)
+        if value != (f.default if f.default_factory is MISSING else f.default_factory()):
+            out[f.name] = value
+    return out
 
 
 def _most(*counts: int | None) -> int | None:

@@ -1,6 +1,8 @@
-"""vLLM's periodic stats lines, per replica: every `log_stats_interval_s` while it serves, the
-interval's prompt and generation throughput, the queues, the KV cache and the prefix cache, then
-its speculation: acceptance (mean length, rate, per position) and the drafters its steps used.
+"""What a replica logs for its operators, as vLLM does. Its periodic stats lines: every
+`log_stats_interval_s` while it serves, the interval's prompt and generation throughput, the
+queues, the KV cache and the prefix cache, then its speculation: acceptance (mean length, rate,
+per position) and the drafters its steps used. With `log_requests`, a line per request received
+and per request finished (its routing, acceptance and times).
 
     Avg prompt throughput: 310.2 tokens/s, Avg generation throughput: 41.7 tokens/s, Running: 3 reqs,
     Waiting: 0 reqs, KV cache usage: 4.1%, Prefix cache hit rate: 62.0%
@@ -14,12 +16,14 @@ the application's).
 
 from __future__ import annotations
 
+import json
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from policies.records import BatchingStats
-from workers.result import StepStats
+from workers.result import GenerationResult, StepStats
 
 
 @dataclass
@@ -115,3 +119,24 @@ class StatsLogger:
         out = stats_lines(self._before, batching, self._spec, now_s - self._since_s)
         self._since_s, self._before, self._spec, self._stepped = now_s, batching, SpecCounts(), False
         return out
+
+
+def received_line(prompt: str | list[dict[str, Any]], params: Mapping[str, Any], max_log_len: int | None) -> str:
+    """A request as it arrived: its prompt (a chat as JSON; the first `max_log_len` characters) and
+    the parameters it set."""
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+    if max_log_len is not None and len(text) > max_log_len:
+        text = text[:max_log_len] + f"... ({len(text)} characters)"
+    settings = ", ".join(f"{name}={value!r}" for name, value in params.items())
+    return f"Received request: prompt: {text!r}, params: {{{settings}}}"
+
+
+def finished_line(result: GenerationResult) -> str:
+    """A finished request: why it ended, its tokens, how it was routed and drafted, its times."""
+    r = result.routing
+    route = "" if r is None else f", domain {r.domain}, plan {r.drafter} ({r.reason})"
+    drafters = ", ".join(result.drafters) or "none"
+    return (f"Finished request: {result.finish_reason}, {len(result.prompt_token_ids)} prompt tokens "
+            f"({result.num_cached_tokens} cached), {len(result.token_ids)} output tokens in {result.num_steps} "
+            f"steps (mean acceptance length {result.mean_acceptance_length:.2f}; drafters {drafters}{route}), "
+            f"TTFT {result.ttft_s:.3f} s, total {result.wall_s:.3f} s")
