@@ -201,6 +201,8 @@ def traffic(base_url: str) -> list[dict]:
         ("Translate to German: good morning", {}),
     ]
     threads = [threading.Thread(target=_chat, args=(base_url, text, spec)) for text, spec in bodies]
+    # one without max_tokens: the server's default budget
+    threads.append(threading.Thread(target=_chat, args=(base_url, "Write about the sea", {}, None)))
     for i in range(0, len(threads), 2):
         for t in threads[i : i + 2]:
             t.start()
@@ -210,9 +212,10 @@ def traffic(base_url: str) -> list[dict]:
     return RESPONSES
 
 
-def _chat(base_url: str, text: str, speculation: dict | None = None, max_tokens: int = 24, **extra: object) -> dict:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "speculation": speculation or {}, **extra}
+def _chat(base_url: str, text: str, speculation: dict | None = None, max_tokens: int | None = 24,
+          **extra: object) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "temperature": 0, "ignore_eos": True,
+            "speculation": speculation or {}, **({} if max_tokens is None else {"max_tokens": max_tokens}), **extra}
     r = requests.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     RESPONSES.append(r.json())

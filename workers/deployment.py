@@ -44,9 +44,10 @@ if TYPE_CHECKING:
     from workers.routing import RoutedBatch, RoutedGeneration, Router
 
 log = logging.getLogger(__name__)
-# the replica's stats lines: through Serve's handlers (its log file, the driver's console, its
-# format) at INFO whatever Serve's own level (quiet by default: a line per request is INFO there)
-stats_log = logging.getLogger("ray.serve.specroute")
+# the replica's lines for operators (workers/stats_log.py): through Serve's handlers (its log file,
+# the driver's console, its format) at INFO whatever Serve's own level (quiet by default: Serve logs
+# a line per call at INFO)
+replica_log = logging.getLogger("ray.serve.specroute")
 T = TypeVar("T")
 
 
@@ -211,7 +212,7 @@ class TargetWorker:
         self._num_cancelled = 0
         interval_s = self.config.log_stats_interval_s
         self._stats_log = StatsLogger(interval_s) if interval_s else None
-        stats_log.setLevel(logging.INFO)
+        replica_log.setLevel(logging.INFO)
 
     def _remote_timeout(self, name: str) -> float:
         (drafter,) = (d for d in self.config.drafters if d.name == name)
@@ -226,7 +227,7 @@ class TargetWorker:
         slot = _Slot(request)
         logged = self.config.log_requests  # in the request's context: Serve's log lines name it
         if logged:
-            stats_log.info(received_line(request.prompt if request.prompt_token_ids is None
+            replica_log.info(received_line(request.prompt if request.prompt_token_ids is None
                                          else list(request.prompt_token_ids), _set_fields(request),
                                          self.config.max_log_len))
         self._pending.append(slot)
@@ -238,7 +239,7 @@ class TargetWorker:
                 item = await slot.queue.get()
                 if isinstance(item, RequestError):
                     if logged:
-                        stats_log.info("Refused request: %s", item.message)
+                        replica_log.info("Refused request: %s", item.message)
                     finished = True
                     yield Chunk([], "", error=item)
                     return
@@ -248,13 +249,13 @@ class TargetWorker:
                 if item.finish_reason is not None:
                     finished = True
                     if logged and item.stats is not None:
-                        stats_log.info(finished_line(item.stats))
+                        replica_log.info(finished_line(item.stats))
                 yield item
                 if finished:
                     return
         finally:
             if logged and not finished:
-                stats_log.info("Cancelled request: the client went away")
+                replica_log.info("Cancelled request: the client went away")
             slot.abandoned = True  # when still active, the step loop closes it
             self._wake.set()
 
@@ -411,7 +412,7 @@ class TargetWorker:
         if self._stats_log is None or self._stats_log.due_in(now_s) != 0.0:
             return
         for line in self._stats_log.lines(self._batching_now(), now_s):
-            stats_log.info(line)
+            replica_log.info(line)
 
     async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -554,7 +555,7 @@ class TargetWorker:
                 del self._active[routed]
                 self._num_finished += 1
                 assert chunk.finish_reason is not None
-                num_generated = len(routed.gen.output_ids) if slot.request.max_tokens else 0
+                num_generated = 0 if slot.request.max_tokens == 0 else len(routed.gen.output_ids)  # 0: scored
                 self.batching = self.batching.finish(chunk.finish_reason, routed.gen.queue_s, num_prompt, num_generated)
         for routed, e in step.failed:
             slot = self._active.pop(routed)
