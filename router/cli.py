@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from router.run_batch import DEFAULT_CONCURRENCY
 from router.serve import ServeError
 from workers.config import DEFAULT_TARGET_MODEL, PLAIN, ConfigError, RoutingConfig, load_engine_config
 from workers.result import Logprob, RequestError
@@ -406,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one answer a line, in input order (OpenAI's batch output)")
     rb.add_argument("--url", help="a running server (default: start one from --config, stopped after)")
     rb.add_argument("--config", type=Path, default=DEFAULT_SERVE_CONFIG, help="Serve config YAML, without --url")
-    rb.add_argument("--concurrency", type=_positive_int, default=16, help="requests in flight at once")
+    rb.add_argument("--concurrency", type=_positive_int, default=DEFAULT_CONCURRENCY, help="requests in flight at once")
     rb.add_argument("--api-key", help="the server's api_key (default: $SPECROUTE_API_KEY)")
     rb.set_defaults(func=cmd_run_batch)
 

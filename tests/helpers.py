@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,6 +38,7 @@ import torch
 import yaml
 from scipy.stats import chisquare
 
+from router.run_batch import free_port
 from workers.batch import BatchEngine
 from workers.config import PLAIN, EngineConfig, LookaheadDrafterConfig, NgramDrafterConfig, TargetConfig
 from workers.drafters.eagle import EagleConfig, EagleNet
@@ -60,12 +60,6 @@ def slow_device_waits(monkeypatch: pytest.MonkeyPatch, module: str, wait_s: floa
 
     monkeypatch.setattr(f"{module}.synchronize", slow_sync)
     return waits
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_serve_config(engine: EngineConfig, workdir: Path, model_name: str, deployments: list[dict] | None = None,

@@ -11,7 +11,7 @@ import pytest
 from helpers import tiny_serve_config
 
 from router.cli import main
-from router.run_batch import BatchFileError, read_batch
+from router.run_batch import BatchFileError, free_port, read_batch
 from workers.config import EngineConfig
 
 MODEL = "tiny-batch-model"
@@ -81,8 +81,6 @@ def test_run_batch_starts_the_service_answers_in_input_order_and_stops_it(
 
 
 def test_a_server_that_does_not_answer_is_an_error_per_line(tmp_path: Path) -> None:
-    from helpers import free_port
-
     path = _write(tmp_path / "in.jsonl", [_line("a"), _line("b")])
     out = tmp_path / "out.jsonl"
     assert main(["run-batch", "-i", str(path), "-o", str(out), "--url", f"http://127.0.0.1:{free_port()}"]) == 1
