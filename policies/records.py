@@ -463,7 +463,7 @@ class BatchingStats:
     kv_cache_used_tokens: int = 0
     kv_cache_tokens: int = 0  # the KV memory's positions (0: not bounded)
     finished: tuple[int, ...] = (0,) * len(FINISH_REASONS)
-    queue_s: CountHistogram = CountHistogram(LATENCY_BUCKETS_S)  # arrival to first admission
+    queue_s: CountHistogram = CountHistogram(LATENCY_BUCKETS_S)  # the ingress's receipt to first admission
     request_prompt_tokens: CountHistogram = CountHistogram(REQUEST_TOKENS_BUCKETS)
     request_generation_tokens: CountHistogram = CountHistogram(REQUEST_TOKENS_BUCKETS)
 

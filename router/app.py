@@ -805,6 +805,7 @@ class OpenAIIngress:
             tools=body.template_tools, generation_prompt=body.generation_prompt,
             continue_final_message=body.continues_last_message, chat_template_kwargs=body.template_kwargs,
             priority=body.priority, cache_salt=body.cache_salt, return_token_ids=body.return_token_ids,
+            arrival_time=time.time(),
         )
         seed = body.seed
         return [replace(request, **_prompt_fields(prompt), **({} if seed is None else {"seed": seed + i}))

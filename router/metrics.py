@@ -155,7 +155,8 @@ class SpecRouteCollector:
             yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "The share of the KV cache the running requests "
                                     "reserve (1 = full), over the replicas", value=usage)
         for name, hist, help_ in (
-            ("request_queue_time_seconds", b.queue_s, "Seconds a finished request waited for its first admission"),
+            ("request_queue_time_seconds", b.queue_s,
+             "Seconds a finished request waited, from the ingress to its first admission"),
             ("request_prompt_tokens", b.request_prompt_tokens, "Prompt tokens of each finished request"),
             ("request_generation_tokens", b.request_generation_tokens, "Tokens generated for each finished request"),
         ):

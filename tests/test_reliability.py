@@ -338,6 +338,42 @@ def test_beyond_capacity_is_429_with_retry_after_and_nothing_is_lost(base_url: s
     assert _post(base_url, "/v1/completions", {**body, "max_tokens": 4}).status_code == 200
 
 
+def test_queue_time_counts_the_wait_for_a_replica(base_url: str) -> None:
+    """With one request slot a replica, a second request waits in Serve's queue while the first
+    runs: vLLM's request_queue_time_seconds counts that wait (from the ingress's receipt to the
+    batch), not only the batch's own queue."""
+    count, total = _queue_time(base_url)
+    body = {"model": MODEL, "prompt": "Long:", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "speculation": {"drafter": "none"}}
+    second: list[requests.Response] = []
+    with requests.post(f"{base_url}/v1/completions", json={**body, "stream": True}, headers=AUTH, stream=True,
+                       timeout=60) as first:
+        lines = first.iter_lines()
+        next(line for line in lines if line)  # the first request runs
+        started = time.monotonic()
+        waiter = threading.Thread(target=lambda: second.append(
+            _post(base_url, "/v1/completions", {**body, "max_tokens": 4})))
+        waiter.start()
+        for _ in lines:
+            pass
+        rest_s = time.monotonic() - started
+    waiter.join(60)
+    assert first.status_code == 200 and second[0].status_code == 200
+    after_count, after_total = _queue_time(base_url)
+    assert after_count == count + 2
+    assert after_total - total >= 0.5 * rest_s  # the second waited out most of the first
+
+
+def _queue_time(base_url: str) -> tuple[float, float]:
+    """request_queue_time_seconds' count and sum."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{base_url}/metrics", timeout=30).text
+    (family,) = (f for f in text_string_to_metric_families(text) if f.name == "specroute_request_queue_time_seconds")
+    samples = {s.name: s.value for s in family.samples}
+    return samples["specroute_request_queue_time_seconds_count"], samples["specroute_request_queue_time_seconds_sum"]
+
+
 # -- soak: steady memory ----------------------------------------------------------------------------
 def test_memory_is_steady_over_many_requests(base_url: str) -> None:
     """A bounded soak for CI (tests/test_soak.py runs the long one): after a warm-up, 120 more

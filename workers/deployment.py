@@ -94,6 +94,7 @@ class GenerateRequest:
     priority: int = 0  # lower first, under the scheduler's priority policy
     cache_salt: str | None = None  # vLLM's: cached state is shared only with requests of the same salt
     return_token_ids: bool = False  # vLLM's: the first chunk carries the prompt's token ids
+    arrival_time: float | None = None  # when the ingress received it (time.time(); None: at the worker)
 
     @property
     def prompt_param(self) -> str:
@@ -169,6 +170,7 @@ class _Slot:
     prompt_text: str = ""  # a raw prompt's text (decoded where it came as token ids): what echo repeats
     split: ReasoningSplit | None = None  # a chat's output as reasoning and answer, under a reasoning parser
     abandoned: bool = False  # set by the consumer when it stops reading (finished or cancelled)
+    waited_s: float = 0.0  # from the ingress to the batch: Serve's queue for a replica, the pending list
 
 
 @serve.deployment(max_ongoing_requests=16, ray_actor_options={"num_cpus": 1})
@@ -485,6 +487,8 @@ class TargetWorker:
 
     def _admit(self, slot: _Slot) -> None:
         r, engine = slot.request, self.engine
+        if r.arrival_time is not None:
+            slot.waited_s = max(0.0, time.time() - r.arrival_time)
         text = r.text
         if r.prompt_token_ids is not None:
             prompt_ids = list(r.prompt_token_ids)
@@ -556,7 +560,9 @@ class TargetWorker:
                 self._num_finished += 1
                 assert chunk.finish_reason is not None
                 num_generated = 0 if slot.request.max_tokens == 0 else len(routed.gen.output_ids)  # 0: scored
-                self.batching = self.batching.finish(chunk.finish_reason, routed.gen.queue_s, num_prompt, num_generated)
+                # queued: before the batch (Serve's queue included), then in the batch's waiting queue
+                queued = None if routed.gen.queue_s is None else slot.waited_s + routed.gen.queue_s
+                self.batching = self.batching.finish(chunk.finish_reason, queued, num_prompt, num_generated)
         for routed, e in step.failed:
             slot = self._active.pop(routed)
             self.batching = self.batching.finish("error")
@@ -708,7 +714,7 @@ def _set_fields(request: GenerateRequest) -> dict[str, Any]:
     """The request's fields that differ from their defaults, the prompt aside (what a log line shows)."""
     out = {}
     for f in fields(request):
-        if f.name in ("prompt", "prompt_token_ids"):
+        if f.name in ("prompt", "prompt_token_ids", "arrival_time"):
             continue
         value = getattr(request, f.name)
         if value != (f.default if f.default_factory is MISSING else f.default_factory()):
