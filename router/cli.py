@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -232,8 +233,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
-    import os
-
+    from router.control import API_KEY_ENV
     from router.run_batch import BatchFileError, describe, free_port, progress, read_batch, run_batch
     from router.serve import load_serve_config, serve, shutdown
 
@@ -241,7 +241,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
         batch = read_batch(_existing_file(args.input_file, "--input-file"))
     except BatchFileError as e:
         raise CLIError(str(e)) from None
-    api_key = args.api_key or os.environ.get("SPECROUTE_API_KEY")  # router/control.py API_KEY_ENV
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
 
     def answer(base_url: str) -> int:
         with args.output_file.open("w", encoding="utf-8") as out:

@@ -212,6 +212,26 @@ def test_only_the_allowed_origin_may_call_from_a_browser(base_url: str) -> None:
     assert stranger.status_code == 200 and "access-control-allow-origin" not in stranger.headers
 
 
+def test_run_batch_sends_the_api_key(base_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`specroute run-batch` against a keyed server: with the key (`--api-key` or the server's
+    environment variable) every line is answered; without it every line holds the 401."""
+    from router.cli import main
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    line = {"method": "POST", "url": "/v1/completions", "body": {"model": MODEL, "prompt": "Hi", "max_tokens": 2}}
+    src.write_text("".join(json.dumps({"custom_id": f"r{i}", **line}) + "\n" for i in range(2)))
+
+    def statuses(*flags: str) -> tuple[int, list[int]]:
+        code = main(["run-batch", "-i", str(src), "-o", str(out), "--url", base_url, *flags])
+        return code, [json.loads(row)["response"]["status_code"] for row in out.read_text().splitlines()]
+
+    monkeypatch.delenv("SPECROUTE_API_KEY", raising=False)
+    assert statuses() == (1, [401, 401])
+    assert statuses("--api-key", API_KEY) == (0, [200, 200])
+    monkeypatch.setenv("SPECROUTE_API_KEY", API_KEY)
+    assert statuses() == (0, [200, 200])
+
+
 def test_anthropics_messages_take_the_key_as_anthropics_clients_send_it(base_url: str) -> None:
     """`x-api-key` (an Anthropic client's api_key) or a bearer token (its auth_token); a refusal
     in Anthropic's error shape."""
