@@ -131,6 +131,10 @@ class SpecRouteCollector:
         for name, hist, help_ in (
             ("batch_size", b.batch_size, "Requests in one target forward (decoding or prefilling), per step"),
             ("step_tokens", b.step_tokens, "Target rows (tokens) in one forward, per step"),
+            ("request_queue_time_seconds", b.queue_s,
+             "Seconds a finished request waited, from the ingress to its first admission"),
+            ("request_prompt_tokens", b.request_prompt_tokens, "Prompt tokens of each finished request"),
+            ("request_generation_tokens", b.request_generation_tokens, "Tokens generated for each finished request"),
         ):
             family = HistogramMetricFamily(f"{PREFIX}{name}", help_)
             family.add_metric([], _cumulative(hist.edges, hist.counts), hist.total)
@@ -154,15 +158,6 @@ class SpecRouteCollector:
         if (usage := b.kv_cache_usage) is not None:
             yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "The share of the KV cache the running requests "
                                     "reserve (1 = full), over the replicas", value=usage)
-        for name, hist, help_ in (
-            ("request_queue_time_seconds", b.queue_s,
-             "Seconds a finished request waited, from the ingress to its first admission"),
-            ("request_prompt_tokens", b.request_prompt_tokens, "Prompt tokens of each finished request"),
-            ("request_generation_tokens", b.request_generation_tokens, "Tokens generated for each finished request"),
-        ):
-            family = HistogramMetricFamily(f"{PREFIX}{name}", help_)
-            family.add_metric([], _cumulative(hist.edges, hist.counts), hist.total)
-            yield family
         if (goodput := b.goodput) is not None:
             yield GaugeMetricFamily(f"{PREFIX}goodput_tokens_per_second",
                                     "Tokens emitted per second of target steps, since the replicas started",

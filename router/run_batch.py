@@ -24,13 +24,15 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
 import requests
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from router.schemas import ErrorBody, ErrorResponse
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 DEFAULT_CONCURRENCY = 16  # a replica's default max_ongoing_requests
@@ -92,9 +94,9 @@ def answer(session: requests.Session, base_url: str, request: BatchRequestInput,
     line: dict[str, Any] = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request.custom_id,
                             "response": None, "error": None}
     if request.body.get("stream"):
-        body = {"error": {"message": "stream: a batch request is answered whole; send it without stream",
-                          "type": "invalid_request_error", "param": "stream", "code": None}}
-        line["response"] = {"status_code": 400, "request_id": f"req_{uuid.uuid4().hex}", "body": body}
+        error = ErrorBody(message="stream: a batch request is answered whole; send it without stream", param="stream")
+        line["response"] = {"status_code": 400, "request_id": f"req_{uuid.uuid4().hex}",
+                            "body": ErrorResponse(error=error).model_dump()}
         return line
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
@@ -125,7 +127,9 @@ def run_batch(
     summary = BatchSummary(num_requests=len(batch))
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="run-batch") as pool:
-        for done, line in enumerate(_in_order(pool.submit(send, r) for r in batch), start=1):
+        futures = [pool.submit(send, r) for r in batch]  # all submitted: they run `concurrency` at a time
+        for done, future in enumerate(futures, start=1):
+            line = future.result()
             out.write(json.dumps(line) + "\n")
             _count(summary, line)
             if on_done is not None:
@@ -133,13 +137,6 @@ def run_batch(
     out.flush()
     summary.wall_s = time.perf_counter() - t0
     return summary
-
-
-def _in_order(futures: Iterable[cf.Future]) -> Iterator[Any]:
-    """The futures' results in submission order (all are submitted first, so they run concurrently)."""
-    submitted = list(futures)
-    for future in submitted:
-        yield future.result()
 
 
 def _count(summary: BatchSummary, line: dict[str, Any]) -> None:

@@ -40,18 +40,18 @@ def test_lines_give_the_interval_rates_acceptance_and_drafters() -> None:
 def test_lines_come_once_an_interval_with_steps_is_over() -> None:
     log = StatsLogger(10.0)
     stats = BatchingStats()
-    assert log.due_in(0.0) is None and log.lines(stats, 100.0) == []  # no step: nothing to say
+    assert log.due_in(0.0) is None and log.lines(lambda: stats, 100.0) == []  # no step: nothing to say
     log.step([_step("ngram", 2, 1)], 100.0, lambda: stats)  # the first step starts an interval
-    assert log.due_in(104.0) == 6.0 and log.lines(stats, 104.0) == []
+    assert log.due_in(104.0) == 6.0 and log.lines(lambda: stats, 104.0) == []
     done = stats.step(1, 3, 2, 0.01)
-    first = log.lines(done, 110.0)  # over: every step of it, over its 10 s
+    first = log.lines(lambda: done, 110.0)  # over: every step of it, over its 10 s
     assert first[0].startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.2 tokens/s")
     assert "Accepted: 1 tokens, Drafted: 2 tokens" in first[1]
-    assert log.due_in(111.0) is None and log.lines(done, 500.0) == []  # idle: no lines
+    assert log.due_in(111.0) is None and log.lines(lambda: done, 500.0) == []  # idle: no lines
     # the first step after an idle stretch starts a new interval there, not at the last lines
     log.step([_step(PLAIN, 0, 0)], 500.0, lambda: done)
     assert log.due_in(505.0) == 5.0
-    later = log.lines(done.step(1, 1, 30, 0.01), 510.0)
+    later = log.lines(lambda: done.step(1, 1, 30, 0.01), 510.0)
     assert later[0].startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 3.0 tokens/s")
     assert later[1] == "SpecDecoding metrics: no drafts, Steps by drafter: none 100%"
 

@@ -410,10 +410,9 @@ class TargetWorker:
 
     def _log_stats(self) -> None:
         """The stats lines of an interval that is over (workers/stats_log.py)."""
-        now_s = time.monotonic()
-        if self._stats_log is None or self._stats_log.due_in(now_s) != 0.0:
+        if self._stats_log is None:
             return
-        for line in self._stats_log.lines(self._batching_now(), now_s):
+        for line in self._stats_log.lines(self._batching_now, time.monotonic()):
             replica_log.info(line)
 
     async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:

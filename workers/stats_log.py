@@ -112,12 +112,14 @@ class StatsLogger:
             return None
         return max(0.0, self._since_s + self.interval_s - now_s)
 
-    def lines(self, batching: BatchingStats, now_s: float) -> list[str]:
-        """The lines of the interval ending now, and a new one started, where they are due; else none."""
+    def lines(self, batching: Callable[[], BatchingStats], now_s: float) -> list[str]:
+        """The lines of the interval ending now, and a new one started, where they are due; else
+        none. `batching()`: the replica's stats now, read only then."""
         if self.due_in(now_s) != 0.0:
             return []
-        out = stats_lines(self._before, batching, self._spec, now_s - self._since_s)
-        self._since_s, self._before, self._spec, self._stepped = now_s, batching, SpecCounts(), False
+        now = batching()
+        out = stats_lines(self._before, now, self._spec, now_s - self._since_s)
+        self._since_s, self._before, self._spec, self._stepped = now_s, now, SpecCounts(), False
         return out
 
 
