@@ -17,10 +17,11 @@ from helpers import (
     logits_three_ways,
     tree_and_chain_logits,
 )
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import workers.engine as engine_module
 import workers.models.llama as llama
+import workers.models.quant as quant
 from bench.verify_cost import weight_bytes
 from workers.config import ModelConfig, TargetConfig
 from workers.engine import SpecEngine
@@ -35,26 +36,57 @@ from workers.models.llama import (
     _whole_blocks,
     invariant_key_span,
 )
-from workers.models.quant import GROUP_SIZE, Int4Linear, Int4Weight, read_gguf_int4
+from workers.models.quant import GROUP_SIZE, Int4Linear, Int4Weight, load_int4, read_gguf_int4, save_int4
 from workers.routing import tree_sizes
 from workers.sampling import SamplingParams
-from workers.target import ModelLoadError, _resolve_pkg, load_model
+from workers.target import INT4_BLOCKS_FILE, ModelLoadError, _resolve_pkg, load_model
 from workers.tree import DraftTree
 from workers.verify import VerifyResult, verify_tree_greedy
 
 TARGET_GGUF = ModelConfig().model
 
 
-def test_int4_weights_are_the_files_values(target_dir: Path) -> None:
+def test_int4_weights_are_the_files_values(target_dir: Path, tmp_path: Path) -> None:
     """Every layer product read from the Q4_1 blocks dequantises bit for bit to the float32
-    weights transformers makes of the same file (q and k rows back in Hugging Face's order)."""
+    weights transformers makes of the same file (q and k rows back in Hugging Face's order);
+    the blocks file a later load reads instead of the GGUF holds the same values."""
     weights = read_gguf_int4(_resolve_pkg(TARGET_GGUF), num_layers=30, num_heads=9, num_kv_heads=3)
-    floats: dict[str, torch.Tensor] = {}
-    for path in target_dir.glob("*.safetensors"):
-        floats.update(load_file(str(path)))
+    floats = load_file(str(target_dir / "model.safetensors"))
     assert len(weights) == 30 * 7
     for name, w in weights.items():
         assert torch.equal(w.dequantize(), floats[name]), name
+    save_int4(weights, tmp_path / "blocks.safetensors")
+    kept = load_int4(tmp_path / "blocks.safetensors")
+    assert kept is not None and kept.keys() == weights.keys()
+    for name, w in weights.items():
+        assert all(torch.equal(getattr(kept[name], f), getattr(w, f)) for f in ("q", "scales", "zeros")), name
+
+
+def test_a_blocks_file_of_another_format_or_cut_short_is_not_read(tmp_path: Path) -> None:
+    path = tmp_path / "blocks.safetensors"
+    assert load_int4(path) is None  # none yet
+    save_int4({"w": _random_weight(8, 64)}, path)
+    assert load_int4(path) is not None
+    path.write_bytes(path.read_bytes()[:100])
+    assert load_int4(path) is None
+    save_file({"w.q": torch.zeros(8, 32, dtype=torch.uint8)}, str(path), metadata={"format": "other"})
+    assert load_int4(path) is None
+
+
+def test_a_later_int4_load_reads_the_kept_blocks_not_the_gguf(
+    target_dir: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first load keeps the blocks beside the converted model; a load then never parses the
+    GGUF file (gguf-py reads all 147k metadata fields on the way: ~5 s a start)."""
+    load_model(TargetConfig(weights="int4"))
+    assert load_int4(target_dir / INT4_BLOCKS_FILE) is not None
+
+    def parse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the GGUF file was parsed again")
+
+    monkeypatch.setattr(quant, "read_gguf_int4", parse)
+    model = load_model(TargetConfig(weights="int4")).model
+    assert isinstance(model, FastLlama) and isinstance(model.layers[0].qkv, Int4Linear)
 
 
 def _random_weight(out: int, inp: int, seed: int = 0) -> Int4Weight:

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHARED_EMBEDDINGS_KEY = "specroute_shared_embeddings"  # config.json: the embeddings are the target's
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+INT4_BLOCKS_FILE = "int4_blocks.safetensors"  # a GGUF's layer blocks beside its converted model
 WEIGHTS_FILE = "model.safetensors"  # a sharing model's weights: one file (they are small)
 EMBEDDING_KEY = "model.embed_tokens.weight"
 _SHARED_KEYS = frozenset({EMBEDDING_KEY, "lm_head.weight"})  # left out of a sharing model's weights
@@ -241,7 +242,7 @@ def load_model(cfg: ModelConfig, embeddings: torch.Tensor | None = None) -> Load
     if vocab is not None and (vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= size):
         raise ModelLoadError(f"{Path(source) / DRAFT_VOCAB_FILE}: token ids must be in 0..{size - 1} "
                              f"(the vocabulary size is {size}), and there must be at least one")
-    quantized, bfloat16 = _weight_format(cfg, hf_model, use_fast)
+    quantized, bfloat16 = _weight_format(cfg, hf_model, use_fast, source)
     shared = embeddings is not None
     model: CausalLM = (llama.FastLlama(hf_model, eos, vocab, quantized, bfloat16, shared_embeddings=shared)
                        if use_fast else hf.HFCausalLM(hf_model, eos))
@@ -250,10 +251,11 @@ def load_model(cfg: ModelConfig, embeddings: torch.Tensor | None = None) -> Load
 
 
 def _weight_format(
-    cfg: ModelConfig, hf_model: PreTrainedModel, use_fast: bool,
+    cfg: ModelConfig, hf_model: PreTrainedModel, use_fast: bool, source: Path | str,
 ) -> tuple[dict[str, quant.Int4Weight] | None, bool]:
     """The products' weights `target.weights` asks for: the file's int4 blocks, or whether to
-    compute in bfloat16; (None, False) is float32 (or the model's dtype)."""
+    compute in bfloat16; (None, False) is float32 (or the model's dtype). `source`: the model's
+    directory (a GGUF file's converted one, where its blocks are kept once read)."""
     weights = cfg.weights if isinstance(cfg, TargetConfig) else "float32"
     if weights == "float32":
         return None, False
@@ -262,7 +264,7 @@ def _weight_format(
         if not (use_fast and on_cpu):
             return None, False
         try:  # the most compact: the file's own 4-bit blocks, where it has them
-            return _read_quantized(cfg, hf_model), False
+            return _read_quantized(cfg, hf_model, source), False
         except ModelLoadError:
             return None, bf16.bfloat16_fast(torch.device("cpu"))
     if not use_fast:
@@ -271,7 +273,7 @@ def _weight_format(
         raise ModelLoadError(f"weights {weights!r} runs on CPU; on {cfg.device} use weights 'float32' "
                              "with dtype bfloat16")
     if weights == "int4":
-        return _read_quantized(cfg, hf_model), False
+        return _read_quantized(cfg, hf_model, source), False
     if not bf16.bfloat16_available(torch.device("cpu")):
         raise ModelLoadError("weights 'bfloat16' needs torch's oneDNN (mkldnn) build")
     if not bf16.bfloat16_fast(torch.device("cpu")):
@@ -280,12 +282,22 @@ def _weight_format(
     return None, True
 
 
-def _read_quantized(cfg: TargetConfig, hf_model: PreTrainedModel) -> dict[str, quant.Int4Weight]:
+def _read_quantized(cfg: TargetConfig, hf_model: PreTrainedModel, source: Path | str) -> dict[str, quant.Int4Weight]:
+    """The GGUF file's layer blocks: from the converted directory's blocks file after the first
+    read (the directory is keyed by the file's content), else from the file, then kept there."""
     path = _model_path(cfg)
     if path.suffix != ".gguf":
         raise ModelLoadError(f"model {cfg.model!r}: weights 'int4' needs a .gguf file with Q4_0 or Q4_1 layers")
+    kept = Path(source) / INT4_BLOCKS_FILE
+    if (weights := quant.load_int4(kept)) is not None:
+        return weights
     c = hf_model.config
     try:
-        return quant.read_gguf_int4(path, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads)
+        weights = quant.read_gguf_int4(path, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads)
     except quant.QuantError as e:
         raise ModelLoadError(str(e)) from None
+    try:
+        quant.save_int4(weights, kept)
+    except OSError as e:  # a read-only cache: read the file again next time
+        log.warning("cannot keep the int4 blocks at %s: %s", kept, e)
+    return weights

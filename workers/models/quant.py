@@ -28,11 +28,15 @@ whatever else shares its forward. Rounding to bfloat16 would magnify any float32
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 
 from workers.models.bf16 import Bf16Linear, bfloat16_fast
 
@@ -50,6 +54,10 @@ _LAYER_TENSORS = {
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
+
+
+# what a blocks file (`save_int4`) holds; a file of another format is read from the GGUF again
+_BLOCKS_FORMAT = "specroute-int4-v1"
 
 
 class QuantError(ValueError):
@@ -129,6 +137,37 @@ def read_gguf_int4(path: Path, num_layers: int, num_heads: int, num_kv_heads: in
             elif name.endswith("attn_k.weight"):
                 w = _unpermute_rope_rows(w, num_kv_heads)
             weights[hf_name.format(i=i)] = w
+    return weights
+
+
+def save_int4(weights: Mapping[str, Int4Weight], path: Path) -> None:
+    """Write `read_gguf_int4`'s result to a safetensors file, two 4-bit values a byte, atomically:
+    reading it back takes ~0.3 s where gguf-py parses the GGUF's 147k metadata fields in ~5."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        q = w.q.to(torch.uint8)
+        tensors[f"{name}.q"] = q[:, 0::2] | (q[:, 1::2] << 4)
+        tensors[f"{name}.scales"], tensors[f"{name}.zeros"] = w.scales, w.zeros
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"format": _BLOCKS_FORMAT})
+    os.replace(tmp, path)  # a concurrent or interrupted writer never leaves half a file
+
+
+def load_int4(path: Path) -> dict[str, Int4Weight] | None:
+    """A file `save_int4` wrote; None when there is none, or it is unreadable or of another format."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if (f.metadata() or {}).get("format") != _BLOCKS_FORMAT:
+                return None
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError):
+        return None
+    weights: dict[str, Int4Weight] = {}
+    for key in tensors:
+        if key.endswith(".q"):
+            name, packed = key.removesuffix(".q"), tensors[key]
+            q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1).to(torch.int32)
+            weights[name] = Int4Weight(q, tensors[f"{name}.scales"], tensors[f"{name}.zeros"])
     return weights
 
 
