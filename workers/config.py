@@ -349,6 +349,10 @@ class RoutingConfig(_Strict):
     calibrate: bool = Field(
         True, description="measure the target's verify-cost curve at start as the cost model's prior"
     )
+    calibration_cache: bool = Field(
+        True, description="reuse the calibration an earlier start measured with the same engine config, model "
+                          "files, code and machine (kept under the cache directory's calibration/); false: "
+                          "measure at every start")
     watch_s: float = Field(
         2.0, ge=0, description="re-read the policy file when it changes, checked this often (0: never)"
     )

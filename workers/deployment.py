@@ -194,6 +194,8 @@ class TargetWorker:
         from policies.stats import make_stats_store
         from workers import engine, routing, sampling  # torch: only where a replica runs
 
+        replica_log.setLevel(logging.INFO)  # operator lines at INFO, Serve's own at WARNING
+        t0 = time.perf_counter()
         self._routing_mod, self._sampling_mod = routing, sampling
         self.config = EngineConfig.model_validate(engine_config)
         services = {name: HandleDraftService(handle, self._remote_timeout(name))
@@ -202,7 +204,10 @@ class TargetWorker:
         routing_config = RoutingConfig.model_validate(routing_config or {})
         store = make_stats_store(stats_url, **({} if stats_prefix is None else {"prefix": stats_prefix}))
         self.allowed_dirs = resolve_allowed_dirs(allowed_dirs or ())
+        t1 = time.perf_counter()
         self.router: Router = routing.Router.from_config(self.engine, routing_config, store, self.allowed_dirs)
+        replica_log.info("Replica ready in %.1f s: engine %.1f s, routing calibration %s",
+                         time.perf_counter() - t0, t1 - t0, self.router.calibration_origin)
         self.batch: RoutedBatch = routing.RoutedBatch(self.router)
         self.batching = BatchingStats()  # this replica's steps, for /metrics and the dashboard
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specroute-engine")
@@ -214,7 +219,6 @@ class TargetWorker:
         self._num_cancelled = 0
         interval_s = self.config.log_stats_interval_s
         self._stats_log = StatsLogger(interval_s) if interval_s else None
-        replica_log.setLevel(logging.INFO)
 
     def _remote_timeout(self, name: str) -> float:
         (drafter,) = (d for d in self.config.drafters if d.name == name)

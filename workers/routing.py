@@ -29,7 +29,9 @@ from policies.records import ContextSpan, Record, RequestRecord, ShadowRecord, S
 from policies.schema import Policy, PolicyError, check_policy_drafters, load_policy
 from policies.selector import FALLBACK, FORCED, Features, Plan, decide, forced_plan
 from policies.stats import StatsStore
+from workers import calibration
 from workers.batch import BatchEngine, BatchStep
+from workers.calibration import Calibration
 from workers.config import PLAIN, LookaheadDrafterConfig, RoutingConfig
 from workers.drafters.base import drafted_tree
 from workers.drafters.remote import RemoteDrafter
@@ -208,6 +210,23 @@ def measure_draft_costs(engine: SpecEngine, prompt: list[int], repeats: int, k: 
     return out
 
 
+def calibrate(engine: SpecEngine, reuse: bool = True) -> Calibration:
+    """The step costs and the batch's step cost of this deployment: measured, or (`reuse`) read
+    back from the calibration an earlier start kept for the same engine, software and machine
+    (workers/calibration.py), which a measurement then keeps."""
+    if not reuse:
+        return Calibration(measure_costs(engine), measure_batch_cost(engine))
+    ident = calibration.identity(engine.config, engine.target.source_dir, engine.target.model.device)
+    path = calibration.calibration_path(engine.config, ident)
+    if (kept := calibration.load(path, ident)) is not None:
+        return kept
+    t0 = time.perf_counter()
+    costs, batch_cost = measure_costs(engine), measure_batch_cost(engine)
+    measured = Calibration(costs, batch_cost, f"measured in {time.perf_counter() - t0:.1f} s, kept at {path}")
+    calibration.save(path, ident, measured)
+    return measured
+
+
 class Router:
     def __init__(
         self, engine: SpecEngine, policy: Policy, store: StatsStore, *, classifier: DomainClassifier | None = None,
@@ -228,6 +247,7 @@ class Router:
         self.own_length = frozenset(name for name, d in engine.drafters.items() if d.cheap and name not in sizes)
         self.batch_cost = batch_cost or relative_batch_cost(costs or CostTable.relative())
         self.batch_cost_in_seconds = batch_cost is not None  # else the prior, in plain steps
+        self.calibration_origin = "not measured"  # the replica's log: from_config says where it came from
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._active: tuple[Policy, DomainClassifier] = self._prepare(policy, classifier)
@@ -239,11 +259,12 @@ class Router:
     @classmethod
     def from_config(cls, engine: SpecEngine, config: RoutingConfig, store: StatsStore,
                     allowed_dirs: tuple[Path, ...] | None = None) -> Router:
-        costs = measure_costs(engine) if config.calibrate else None
-        batch_cost = measure_batch_cost(engine) if config.calibrate else None
+        prior = calibrate(engine, config.calibration_cache) if config.calibrate else None
         path = config.policy_path()
-        router = cls(engine, load_policy(path), store, costs=costs, seed=config.seed, allowed_dirs=allowed_dirs,
-                     batch_cost=batch_cost)
+        router = cls(engine, load_policy(path), store, costs=prior.costs if prior else None, seed=config.seed,
+                     allowed_dirs=allowed_dirs, batch_cost=prior.batch_cost if prior else None)
+        if prior is not None:
+            router.calibration_origin = prior.origin
         if config.watch_s > 0:
             router.watch(path, config.watch_s)
         return router
