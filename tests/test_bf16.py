@@ -25,11 +25,13 @@ from workers.models.llama import Linear
 from workers.models.quant import Int4Linear
 from workers.target import ModelLoadError, load_model
 
-pytestmark = pytest.mark.skipif(not bfloat16_available(torch.device("cpu")), reason="torch built without oneDNN")
+bfloat16_products = pytest.mark.skipif(not bfloat16_available(torch.device("cpu")),
+                                       reason="no oneDNN bfloat16 product for this torch build or CPU (AVX2 only)")
 fast_bfloat16 = pytest.mark.skipif(not bfloat16_fast(torch.device("cpu")),
                                    reason="no bfloat16 instructions: a bfloat16 target takes minutes here")
 
 
+@bfloat16_products
 def test_a_bfloat16_product_computes_a_row_the_same_whatever_the_rows_around_it() -> None:
     """At every row count and place, and across the calls a long input is split into."""
     g = torch.Generator().manual_seed(0)
@@ -48,6 +50,7 @@ def test_a_bfloat16_product_computes_a_row_the_same_whatever_the_rows_around_it(
     assert lin.nbytes == 96 * 128 * 2
 
 
+@bfloat16_products
 @pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (192, 576)])
 def test_the_target_shapes_compute_every_row_alike_in_calls_of_any_size(shape: tuple[int, int]) -> None:
     """The probe's range holds on other data, row by row over many rows: a kernel that treats

@@ -26,6 +26,8 @@ from bench.verify_cost import weight_bytes
 from workers.config import ModelConfig, TargetConfig
 from workers.engine import SpecEngine
 from workers.models.base import SeqInput
+from workers.models.bf16 import bfloat16_available
+from workers.models.fp16 import float16_available
 from workers.models.llama import (
     FastLlama,
     KeySpan,
@@ -36,7 +38,7 @@ from workers.models.llama import (
     _whole_blocks,
     invariant_key_span,
 )
-from workers.models.quant import GROUP_SIZE, Int4Linear, Int4Weight, load_int4, read_gguf_int4, save_int4
+from workers.models.quant import GROUP_SIZE, DenseCopy, Int4Linear, Int4Weight, load_int4, read_gguf_int4, save_int4
 from workers.routing import tree_sizes
 from workers.sampling import SamplingParams
 from workers.target import INT4_BLOCKS_FILE, ModelLoadError, _resolve_pkg, load_model
@@ -96,15 +98,19 @@ def _random_weight(out: int, inp: int, seed: int = 0) -> Int4Weight:
                       torch.rand(groups, out, generator=g) * 0.02, torch.randn(groups, out, generator=g) * 0.05)
 
 
-@pytest.mark.parametrize("dense", [True, False], ids=["dense-prefill", "int4-prefill"])
-def test_an_int4_product_computes_a_row_the_same_whatever_the_rows_around_it(dense: bool) -> None:
+@pytest.mark.parametrize("dense", ["bfloat16", "float16", "none"])
+def test_an_int4_product_computes_a_row_the_same_whatever_the_rows_around_it(dense: DenseCopy) -> None:
     """Scored rows (the int4 kernel) at every row count, prefill rows (the dense bfloat16 product
-    in calls of its probed row counts, or the int4 kernel where the CPU lacks bfloat16
-    instructions) at every count and place: bit for bit; both the weights' product up to
-    bfloat16 rounding."""
+    in calls of its probed row counts, fbgemm's float16 one in calls of a multiple of its probed
+    granule, or the int4 kernel) at every count and place: bit for bit; both the weights'
+    product up to bfloat16 rounding."""
+    if dense == "float16" and not float16_available():
+        pytest.skip("torch built without fbgemm (not x86)")
+    if dense == "bfloat16" and not bfloat16_available(torch.device("cpu")):
+        pytest.skip("no oneDNN bfloat16 product for this torch build or CPU (AVX2 only)")
     w = _random_weight(96, 128)
     lin = Int4Linear(w, dense=dense)
-    assert (lin.dense is not None) == dense  # no dense copy where it is not used
+    assert (lin.dense is not None) == (dense != "none")  # no dense copy where it is not used
     x = torch.randn(600, 128, generator=torch.Generator().manual_seed(1))
     first, first_bulk, last_bulk = lin(x[:1]), lin(x[:1], num_scored=0), lin(x[599:], num_scored=0)
     for rows in (2, 3, 16, 64, 120, 256, 300, 600):

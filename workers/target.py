@@ -275,7 +275,8 @@ def _weight_format(
     if weights == "int4":
         return _read_quantized(cfg, hf_model, source), False
     if not bf16.bfloat16_available(torch.device("cpu")):
-        raise ModelLoadError("weights 'bfloat16' needs torch's oneDNN (mkldnn) build")
+        raise ModelLoadError("weights 'bfloat16' needs oneDNN's bfloat16 product, which this torch build or CPU "
+                             "lacks (it needs AVX-512 or AVX-NE-CONVERT); weights 'int4' or 'float32' run here")
     if not bf16.bfloat16_fast(torch.device("cpu")):
         log.warning("weights 'bfloat16': this CPU has no bfloat16 instructions, so its products take a slow "
                     "reference path; weights 'int4' or 'float32' run faster here")

@@ -34,9 +34,20 @@ _PACK_ROWS_HINT = 1  # oneDNN's packing for this many rows: decode steps are its
 
 
 def bfloat16_available(device: torch.device) -> bool:
-    """oneDNN's bfloat16 linear exists in this torch build (its speed is `cpu_bfloat16_pays`)."""
-    return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                                                     "_reorder_linear_weight")
+    """oneDNN's bfloat16 linear runs here (its speed is `cpu_bfloat16_pays`): torch built with it,
+    and a CPU it packs bfloat16 weights for (AVX-512 or AVX-NE-CONVERT; torch 2.13 refuses AVX2)."""
+    return device.type == "cpu" and _packs_bfloat16()
+
+
+@functools.cache
+def _packs_bfloat16() -> bool:
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        _pack(torch.zeros(8, 8))
+    except RuntimeError:  # "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"
+        return False
+    return True
 
 
 def bfloat16_fast(device: torch.device) -> bool:

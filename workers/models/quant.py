@@ -13,16 +13,17 @@ whatever else shares its forward. Rounding to bfloat16 would magnify any float32
 ~0.5-logit ones, so every step of the quantized model is row-invariant (tested):
   * rows whose logits are read (decode, verification) go through the int4 kernel, which computes
     a row bit for bit the same at every row count;
-  * rows that only fill the cache (prompt prefill) go through a dense bfloat16 copy of the same
-    weights where the CPU has bfloat16 instructions: oneDNN's packed bfloat16 product
+  * rows that only fill the cache (prompt prefill) go through a dense copy of the same weights:
+    where the CPU has bfloat16 instructions, oneDNN's packed bfloat16 product
     (workers/models/bf16.py) costs 0.13-0.15 ms a row of all 30 layers' products in calls of
     64 to 128 rows, where a step on the int4 kernel grows ~2 ms a row (Intel Xeon with AMX). It
     may change a row's result with the call's row count, so it runs in calls of the row counts
     its probe found to compute a row alike (`invariant_rows`): a 39-token prompt costs a call of
     39 rows, not one padded to a fixed 256 (its prefill 36 against 70 ms). Without bfloat16
-    instructions (AVX2 only) that GEMM takes a reference path ~50x slower than the int4 kernel
-    (342 ms against 7 ms for 256 rows of [576, 1536]), so prompt rows take the int4 kernel too
-    and no dense copy is kept (`bfloat16_fast`, workers/models/bf16.py);
+    instructions (AVX2 only) that GEMM takes a reference path ~50x slower than the int4 kernel,
+    so prompt rows take fbgemm's float16 product there (workers/models/fp16.py; ~2.5x the int4
+    kernel's pace at 64 rows), in calls of a multiple of its probed granule; with neither, the
+    int4 kernel;
   * attention: see workers/models/llama.py, invariant_min_queries.
 """
 
@@ -32,6 +33,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -39,6 +41,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from workers.models.bf16 import Bf16Linear, bfloat16_fast
+from workers.models.fp16 import Fp16Linear, float16_available
 
 GROUP_SIZE = 32  # weights per Q4_0 / Q4_1 block
 _INNER_K_TILES = 2  # the int4 packing's tile factor (the kernel's default for CPU)
@@ -171,20 +174,27 @@ def load_int4(path: Path) -> dict[str, Int4Weight] | None:
     return weights
 
 
+DenseCopy = Literal["auto", "bfloat16", "float16", "none"]
+
+
 class Int4Linear:
     """y = x @ W.T for an Int4Weight: the first `num_scored` rows through the int4 kernel, the
-    rest (prefill rows) through the dense bfloat16 copy when `dense` (default: where it pays, see
-    the module docstring), else the int4 kernel too. y is bfloat16, as the kernel returns it: a
-    float32 op taking it converts it exactly, so the model converts nothing back."""
+    rest (prefill rows) through a dense copy of the weights: `dense` names its format (auto: where
+    it pays, see the module docstring), none: the int4 kernel too. y is bfloat16, as the kernel
+    returns it: a float32 op taking it converts it exactly, so the model converts nothing back."""
 
-    def __init__(self, weight: Int4Weight, dense: bool | None = None) -> None:
+    def __init__(self, weight: Int4Weight, dense: DenseCopy = "auto") -> None:
         scales, zeros = weight.scales.to(_COMPUTE_DTYPE), weight.zeros.to(_COMPUTE_DTYPE)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q, _INNER_K_TILES)
         self.scales_zeros = torch.stack([scales, zeros], dim=-1).contiguous()  # [in / 32, out, 2]
-        # the same values the kernel computes with (bfloat16 scales and zeros), rounded to bfloat16
-        self.dense: Bf16Linear | None = None
-        if dense if dense is not None else bfloat16_fast(torch.device("cpu")):
-            self.dense = Bf16Linear(Int4Weight(weight.q, scales.float(), zeros.float()).dequantize())
+        if dense == "auto":
+            dense = ("bfloat16" if bfloat16_fast(torch.device("cpu"))
+                     else "float16" if float16_available() else "none")
+        self.dense: Bf16Linear | Fp16Linear | None = None
+        if dense != "none":
+            # the same values the kernel computes with (bfloat16 scales and zeros), rounded to the copy's format
+            values = Int4Weight(weight.q, scales.float(), zeros.float()).dequantize()
+            self.dense = Bf16Linear(values) if dense == "bfloat16" else Fp16Linear.of(values)
 
     @property
     def nbytes(self) -> int:
