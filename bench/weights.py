@@ -25,18 +25,27 @@ from workers.config import EngineConfig, NgramDrafterConfig, TargetConfig
 from workers.engine import GenerationResult, SpecEngine
 from workers.sampling import SamplingParams
 
+NO_DENSE_PREFILL = ":no-dense-prefill"  # a format's suffix: int4 prompt rows on the int4 kernel
+
+
+def target_config(spec: str) -> TargetConfig:
+    """A `--formats` entry: a `target.weights` value, int4 optionally with NO_DENSE_PREFILL."""
+    weights = spec.removesuffix(NO_DENSE_PREFILL)
+    return TargetConfig(weights=weights, dense_prefill=weights == spec)
+
 
 def _decode_ms(r: GenerationResult) -> float:
     return (r.wall_s - r.prefill_s) / r.num_steps * 1e3
 
 
-def _resident_mib(weights: str, prompt: str) -> float:
-    """VmRSS of a fresh process that loaded the target in `weights` and decoded a few tokens."""
+def _resident_mib(spec: str, prompt: str) -> float:
+    """VmRSS of a fresh process that loaded the target as `spec` says and decoded a few tokens."""
     code = ("import torch, sys; torch.set_num_threads(2)\n"
-            "from workers.config import EngineConfig, TargetConfig\n"
+            "from bench.weights import target_config\n"
+            "from workers.config import EngineConfig\n"
             "from workers.engine import SpecEngine\n"
             "from workers.sampling import SamplingParams\n"
-            f"e = SpecEngine.from_config(EngineConfig(target=TargetConfig(weights={weights!r}), drafters=[]))\n"
+            f"e = SpecEngine.from_config(EngineConfig(target=target_config({spec!r}), drafters=[]))\n"
             "e.generate(e.encode(sys.argv[1]), SamplingParams(max_tokens=16))\n"
             "print(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1])\n")
     out = subprocess.run([sys.executable, "-c", code, prompt], capture_output=True, text=True, check=True)
@@ -49,11 +58,12 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--heldout-mod", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--formats", default="float32,int4")
+    ap.add_argument("--formats", default="float32,int4",
+                    help=f"target.weights values; int4{NO_DENSE_PREFILL}: int4 with its prompt rows on the int4 kernel")
     args = ap.parse_args()
     torch.set_num_threads(2)
     formats = args.formats.split(",")
-    engines = {f: SpecEngine.from_config(EngineConfig(target=TargetConfig(weights=f), drafters=[NgramDrafterConfig()]))
+    engines = {f: SpecEngine.from_config(EngineConfig(target=target_config(f), drafters=[NgramDrafterConfig()]))
                for f in formats}
     prompts = load_prompts(args.prompts, args.per_category, None, args.heldout_mod)
     params = SamplingParams(max_tokens=args.max_tokens)

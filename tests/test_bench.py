@@ -19,7 +19,7 @@ from bench.records import RunRecord
 from bench.report import TABLE_HEADER, mismatch_section
 from bench.runner import BenchArgs, check_formats, run_bench
 from bench.summary import OVERALL, summarize
-from workers.config import EngineConfig, NgramDrafterConfig, PredictionDrafterConfig, SuffixDrafterConfig
+from workers.config import EngineConfig, NgramDrafterConfig, PredictionDrafterConfig, SuffixDrafterConfig, TargetConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RESULT_KEYS = {"target", "device", "max_tokens", "sampling", "runs", "summary", "mismatches", "verify_curve",
@@ -428,3 +428,12 @@ def test_a_workload_with_formats_runs_our_methods_only() -> None:
     with pytest.raises(ValueError, match="hf-pld"):
         check_formats(prompts, ["plain", "hf-pld"], config)
     check_formats([replace(p, response_format=None) for p in prompts], ["plain", "hf-pld"], config)
+
+
+def test_the_weights_bench_names_int4_without_its_dense_prefill_copy() -> None:
+    from bench.weights import target_config
+
+    assert target_config("int4:no-dense-prefill") == TargetConfig(weights="int4", dense_prefill=False)
+    assert target_config("int4") == TargetConfig(weights="int4")
+    with pytest.raises(ValueError, match="weights"):
+        target_config("int3")

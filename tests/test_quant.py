@@ -26,7 +26,7 @@ from bench.verify_cost import weight_bytes
 from workers.config import ModelConfig, TargetConfig
 from workers.engine import SpecEngine
 from workers.models.base import SeqInput
-from workers.models.bf16 import bfloat16_available
+from workers.models.bf16 import bfloat16_available, bfloat16_fast
 from workers.models.fp16 import float16_available
 from workers.models.llama import (
     FastLlama,
@@ -73,6 +73,21 @@ def test_a_blocks_file_of_another_format_or_cut_short_is_not_read(tmp_path: Path
     assert load_int4(path) is None
     save_file({"w.q": torch.zeros(8, 32, dtype=torch.uint8)}, str(path), metadata={"format": "other"})
     assert load_int4(path) is None
+
+
+def test_int4_prompt_rows_take_a_dense_copy_unless_configured_not_to() -> None:
+    """`target.dense_prefill`: the copy where this CPU has a fast one (bfloat16, else fbgemm's
+    float16), none when turned off: prompt rows then take the int4 kernel, as scored rows do."""
+    default = load_model(TargetConfig(weights="int4")).model
+    assert isinstance(default, FastLlama)
+    fast = bfloat16_fast(torch.device("cpu")) or float16_available()
+    assert (default.layers[0].qkv.dense is not None) == fast
+    assert default.prompt_rows_as_scored == (not fast)
+    lean = load_model(TargetConfig(weights="int4", dense_prefill=False)).model
+    assert isinstance(lean, FastLlama)
+    assert all(layer.qkv.dense is None and layer.down.dense is None for layer in lean.layers)
+    assert lean.prompt_rows_as_scored
+    assert weight_bytes(lean) == weight_bytes(default)  # a step streams the int4 blocks either way
 
 
 def test_a_later_int4_load_reads_the_kept_blocks_not_the_gguf(

@@ -244,7 +244,9 @@ def load_model(cfg: ModelConfig, embeddings: torch.Tensor | None = None) -> Load
                              f"(the vocabulary size is {size}), and there must be at least one")
     quantized, bfloat16 = _weight_format(cfg, hf_model, use_fast, source)
     shared = embeddings is not None
-    model: CausalLM = (llama.FastLlama(hf_model, eos, vocab, quantized, bfloat16, shared_embeddings=shared)
+    dense_prefill = cfg.dense_prefill if isinstance(cfg, TargetConfig) else True
+    model: CausalLM = (llama.FastLlama(hf_model, eos, vocab, quantized, bfloat16, shared_embeddings=shared,
+                                       dense_prefill=dense_prefill)
                        if use_fast else hf.HFCausalLM(hf_model, eos))
     name = Path(cfg.model).stem if cfg.model.startswith("pkg:") else str(cfg.model)
     return LoadedModel(model=model, tokenizer=tokenizer, source_dir=source, name=name, draft_vocab=vocab)

@@ -337,6 +337,7 @@ class FastLlama:
     def __init__(
         self, hf_model: PreTrainedModel, eos_token_ids: frozenset[int], head_rows: torch.Tensor | None = None,
         quantized: Mapping[str, Int4Weight] | None = None, bfloat16: bool = False, shared_embeddings: bool = False,
+        dense_prefill: bool = True,
     ) -> None:
         """`head_rows`: token ids the lm_head computes logits for, in that order (a drafter's
         reduced vocabulary: logits column i is token head_rows[i]); None: the whole vocabulary.
@@ -347,7 +348,8 @@ class FastLlama:
         bfloat16 too where the CPU computes it fast: float32 logits at 6 rows cost 3x one row
         there, bfloat16 ones the same as one (its weights are ~20% of an int4 step's bytes).
         `shared_embeddings`: the embeddings are another model's (a drafter sharing its target's),
-        kept as given, never copied."""
+        kept as given, never copied. `dense_prefill`: int4 prompt rows on a dense copy of the
+        weights where one pays (workers/models/quant.py), else on the int4 kernel."""
         cfg = hf_model.config
         if not supports(cfg):
             raise ValueError(f"FastLlama does not support {cfg.model_type} with this config")
@@ -378,7 +380,7 @@ class FastLlama:
 
         def product(*names: str) -> Product:  # one product over the weights stacked
             if quantized is not None:
-                return Int4Linear(Int4Weight.cat([quantized[n] for n in names]))
+                return Int4Linear(Int4Weight.cat([quantized[n] for n in names]), "auto" if dense_prefill else "none")
             weight = torch.cat([sd[n] for n in names])
             return Bf16Linear(weight) if bfloat16 else Linear(weight)
 
