@@ -106,8 +106,8 @@ class TargetConfig(ModelConfig):
     )
     dense_prefill: bool = Field(
         True, description="int4: prompt rows on a dense copy of the weights (bfloat16 with bfloat16 instructions, "
-                          "else float16): prefill ~1.7x faster on a CPU without AVX-512 for ~210 MB more per "
-                          "replica (SmolLM2-135M); false: on the int4 kernel, the least memory")
+                          "else float16): prefill ~2x faster on a CPU without AVX-512 for ~0.3-0.4 GB more "
+                          "resident per replica (SmolLM2-135M); false: on the int4 kernel, the least memory")
 
 
 class _MatchLengths(_Strict):

@@ -31,7 +31,6 @@ from policies.selector import FALLBACK, FORCED, Features, Plan, decide, forced_p
 from policies.stats import StatsStore
 from workers import calibration
 from workers.batch import BatchEngine, BatchStep
-from workers.calibration import Calibration
 from workers.config import PLAIN, LookaheadDrafterConfig, RoutingConfig
 from workers.drafters.base import drafted_tree
 from workers.drafters.remote import RemoteDrafter
@@ -210,19 +209,20 @@ def measure_draft_costs(engine: SpecEngine, prompt: list[int], repeats: int, k: 
     return out
 
 
-def calibrate(engine: SpecEngine, reuse: bool = True) -> Calibration:
+def calibrate(engine: SpecEngine, reuse: bool = True) -> calibration.Calibration:
     """The step costs and the batch's step cost of this deployment: measured, or (`reuse`) read
-    back from the calibration an earlier start kept for the same engine, software and machine
-    (workers/calibration.py), which a measurement then keeps."""
+    back from the calibration an earlier start kept for the same engine, models, code and
+    machine (workers/calibration.py), which a measurement then keeps."""
     if not reuse:
-        return Calibration(measure_costs(engine), measure_batch_cost(engine))
+        return calibration.Calibration(measure_costs(engine), measure_batch_cost(engine))
     ident = calibration.identity(engine.config, engine.target.source_dir, engine.target.model.device)
     path = calibration.calibration_path(engine.config, ident)
     if (kept := calibration.load(path, ident)) is not None:
         return kept
     t0 = time.perf_counter()
     costs, batch_cost = measure_costs(engine), measure_batch_cost(engine)
-    measured = Calibration(costs, batch_cost, f"measured in {time.perf_counter() - t0:.1f} s, kept at {path}")
+    origin = f"measured in {time.perf_counter() - t0:.1f} s, kept at {path}"
+    measured = calibration.Calibration(costs, batch_cost, origin)
     calibration.save(path, ident, measured)
     return measured
 
