@@ -291,10 +291,11 @@ def _read_quantized(cfg: TargetConfig, hf_model: PreTrainedModel, source: Path |
     path = _model_path(cfg)
     if path.suffix != ".gguf":
         raise ModelLoadError(f"model {cfg.model!r}: weights 'int4' needs a .gguf file with Q4_0 or Q4_1 layers")
-    kept = Path(source) / INT4_BLOCKS_FILE
-    if (weights := quant.load_int4(kept)) is not None:
-        return weights
     c = hf_model.config
+    kept = Path(source) / INT4_BLOCKS_FILE
+    weights = quant.load_int4(kept)
+    if weights is not None and len(weights) == len(quant.LAYER_TENSORS) * c.num_hidden_layers:  # whole
+        return weights
     try:
         weights = quant.read_gguf_int4(path, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads)
     except quant.QuantError as e:

@@ -4,14 +4,14 @@ float16 weights (`torch.ops.quantized.linear_dynamic_fp16`).
 There the int4 kernel computes prompt rows at ~3.4 ms a token and oneDNN's bfloat16 product takes
 a reference path ~50x slower, while fbgemm converts float16 weights to float32 in registers (F16C)
 and multiplies at float32's pace from half its bytes: 64 rows of the four layer shapes in 2.95 ms
-against oneDNN's float32 3.99 (AMD EPYC without AVX-512, 2 threads). Float16 holds the
+against oneDNN's float32 4.0 (AMD EPYC without AVX-512, 2 threads). Float16 holds the
 dequantised 4-bit values to 11 significant bits, closer than the bfloat16 copy of
 workers/models/quant.py.
 
 fbgemm computes a call's rows in register blocks whose last, shorter block may sum in another
 order, so a row's result depends on its call's row count (one row alone differs from the same
 row among two). Calls whose row count is a multiple of the block compute every row alike: the
-smallest such `granule` is probed once per weight shape (6 on AVX2), and calls are padded up to
+smallest such `granule` is probed once per weight shape (3 on an AVX2 EPYC), and calls are padded up to
 a multiple of it (prompt rows are many: the padding costs little).
 """
 
@@ -64,7 +64,6 @@ class Fp16Linear:
         self.packed = _pack(weight)
         self.granule = granule
         self.max_rows = _MAX_CALL_ROWS // granule * granule
-        self.nbytes = 2 * weight.numel()  # what a call streams: the float16 weights
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> Fp16Linear | None:

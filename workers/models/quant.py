@@ -21,8 +21,8 @@ whatever else shares its forward. Rounding to bfloat16 would magnify any float32
     its probe found to compute a row alike (`invariant_rows`): a 39-token prompt costs a call of
     39 rows, not one padded to a fixed 256 (its prefill 36 against 70 ms). Without bfloat16
     instructions (AVX2 only) that GEMM takes a reference path ~50x slower than the int4 kernel,
-    so prompt rows take fbgemm's float16 product there (workers/models/fp16.py; ~2.5x the int4
-    kernel's pace at 64 rows), in calls of a multiple of its probed granule; with neither, the
+    so prompt rows take fbgemm's float16 product there (workers/models/fp16.py; prefill ~2x the
+    int4 kernel's pace), in calls of a multiple of its probed granule; with neither, the
     int4 kernel;
   * attention: see workers/models/llama.py, invariant_min_queries.
 """
@@ -48,7 +48,7 @@ _INNER_K_TILES = 2  # the int4 packing's tile factor (the kernel's default for C
 _COMPUTE_DTYPE = torch.bfloat16  # what the int4 kernel multiplies in
 
 # GGUF tensor name -> Hugging Face name of a Llama layer's products; "{i}" is the layer
-_LAYER_TENSORS = {
+LAYER_TENSORS = {
     "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
     "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
     "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
@@ -125,7 +125,7 @@ def read_gguf_int4(path: Path, num_layers: int, num_heads: int, num_kv_heads: in
     tensors = {t.name: t for t in reader.tensors}
     weights: dict[str, Int4Weight] = {}
     for i in range(num_layers):
-        for gguf_name, hf_name in _LAYER_TENSORS.items():
+        for gguf_name, hf_name in LAYER_TENSORS.items():
             name = gguf_name.format(i=i)
             t = tensors.get(name)
             if t is None:
