@@ -396,8 +396,9 @@ class FastLlama:
             )
             for i in range(cfg.num_hidden_layers)
         ]
-        qkv = self.layers[0].qkv if self.layers else None
-        self.prompt_rows_as_scored = not (isinstance(qkv, Int4Linear) and qkv.dense is not None)
+        # whether prompt rows compute as scored rows do, in every product (a dense copy exists per shape)
+        self.prompt_rows_as_scored = not any(isinstance(p, Int4Linear) and p.dense is not None for layer in self.layers
+                                             for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
         embed_key = "model.embed_tokens.weight"
         self.embed = sd[embed_key] if shared_embeddings else own(embed_key)  # [vocab, hidden]
         self.final_norm = own("model.norm.weight")
