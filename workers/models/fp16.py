@@ -1,5 +1,5 @@
-"""Prompt rows of an int4 target on an x86 CPU without bfloat16 instructions: fbgemm's product on
-float16 weights (`torch.ops.quantized.linear_dynamic_fp16`).
+"""An int4 target's prompt rows and lm_head on an x86 CPU without bfloat16 instructions: fbgemm's
+product on float16 weights (`torch.ops.quantized.linear_dynamic_fp16`).
 
 There the int4 kernel computes prompt rows at ~3.4 ms a token and oneDNN's bfloat16 product takes
 a reference path ~50x slower, while fbgemm converts float16 weights to float32 in registers (F16C)
@@ -12,7 +12,10 @@ fbgemm computes a call's rows in register blocks whose last, shorter block may s
 order, so a row's result depends on its call's row count (one row alone differs from the same
 row among two). Calls whose row count is a multiple of the block compute every row alike: the
 smallest such `granule` is probed once per weight shape (3 on an AVX2 EPYC), and calls are padded up to
-a multiple of it (prompt rows are many: the padding costs little).
+a multiple of it (prompt rows are many: the padding costs little). The lm_head on it scores a row
+alike in any batch (float32's kernel plan changes a logit's last bits with the row count) and
+costs less for a verify step's rows: an int4 step at k = 5 took 39 against 55 ms, at k = 0 22
+against 24 (AMD EPYC without AVX-512).
 """
 
 from __future__ import annotations
@@ -57,19 +60,21 @@ def invariant_granule(out_features: int, in_features: int) -> int | None:
 
 class Fp16Linear:
     """y = x @ W.T on float16 weights through fbgemm, in calls of a multiple of the probed granule
-    (padded up; longer inputs split), so every row computes alike; y is bfloat16, as the int4
-    kernel's is (the float32 ops after it read it exactly)."""
+    (padded up; longer inputs split), so every row computes alike; y is `out_dtype`: bfloat16 for
+    a layer, as the int4 kernel's is (the float32 ops after it read it exactly), float32 logits."""
 
-    def __init__(self, weight: torch.Tensor, granule: int) -> None:
+    def __init__(self, weight: torch.Tensor, granule: int, out_dtype: torch.dtype = torch.bfloat16) -> None:
         self.packed = _pack(weight)
         self.granule = granule
         self.max_rows = _MAX_CALL_ROWS // granule * granule
+        self.out_dtype = out_dtype
+        self.nbytes = 2 * weight.numel()  # what a call streams: the float16 values
 
     @classmethod
-    def of(cls, weight: torch.Tensor) -> Fp16Linear | None:
+    def of(cls, weight: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> Fp16Linear | None:
         """The product, where this CPU has a granule for the shape (None: none)."""
         granule = invariant_granule(*weight.shape)
-        return None if granule is None else cls(weight, granule)
+        return None if granule is None else cls(weight, granule, out_dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
@@ -81,4 +86,4 @@ class Fp16Linear:
         num_rows = x.shape[0]
         if pad := -num_rows % self.granule:
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-        return _linear(x.contiguous(), self.packed)[:num_rows].to(torch.bfloat16)
+        return _linear(x.contiguous(), self.packed)[:num_rows].to(self.out_dtype)

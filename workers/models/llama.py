@@ -34,6 +34,7 @@ from transformers import PreTrainedModel
 
 from workers.models.base import ForwardOutput, ModelInfo, SeqInput, TargetView, forward_each
 from workers.models.bf16 import Bf16Linear, bfloat16_fast
+from workers.models.fp16 import Fp16Linear, float16_available
 from workers.models.quant import Int4Linear, Int4Weight
 from workers.tree import DraftTree
 
@@ -328,7 +329,7 @@ class Linear:
         return self.run(self.plan[_bucket(x.shape[0])], x)
 
 
-Product = Linear | Int4Linear | Bf16Linear  # a layer product in one of the weight formats
+Product = Linear | Int4Linear | Bf16Linear | Fp16Linear  # a product in one of the weight formats
 
 
 class FastLlama:
@@ -346,7 +347,8 @@ class FastLlama:
         `bfloat16`: every product, the lm_head included, on packed bfloat16 weights
         (workers/models/bf16.py); the embeddings stay float. With int4 layers the lm_head is
         bfloat16 too where the CPU computes it fast: float32 logits at 6 rows cost 3x one row
-        there, bfloat16 ones the same as one (its weights are ~20% of an int4 step's bytes).
+        there, bfloat16 ones the same as one (its weights are ~20% of an int4 step's bytes); on
+        other x86 CPUs float16 (workers/models/fp16.py), its logits float32.
         `shared_embeddings`: the embeddings are another model's (a drafter sharing its target's),
         kept as given, never copied. `dense_prefill`: int4 prompt rows on a dense copy of the
         weights where one pays (workers/models/quant.py), else on the int4 kernel."""
@@ -407,7 +409,14 @@ class FastLlama:
         if head_rows is not None:
             head = head[head_rows.to(head.device)]
         bfloat16_head = bfloat16 or (quantized is not None and bfloat16_fast(self.device))
-        self.lm_head: Linear | Bf16Linear = Bf16Linear(head) if bfloat16_head else Linear(head)
+        # int4 layers without bfloat16 instructions: float16 logits weights through fbgemm, whose
+        # calls compute a row alike at any row count, where float32's kernel plan changes the
+        # last bits with the rows (so batched and alone logits would differ); float32 out
+        float16_head = (quantized is not None and not bfloat16_head and self.device.type == "cpu"
+                        and float16_available())
+        self.lm_head: Linear | Bf16Linear | Fp16Linear = (
+            Bf16Linear(head) if bfloat16_head
+            else (float16_head and Fp16Linear.of(head, out_dtype=torch.float32)) or Linear(head))
         # what a feature drafter multiplies by in float32: the head's own transposed copy, or a
         # view of the float weights (the embeddings themselves where the model ties them)
         self.head_t = self.lm_head.w_t if isinstance(self.lm_head, Linear) else head.t()
