@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from workers.models.base import ForwardOutput, ModelInfo, SeqInput, TargetView, forward_each
-from workers.models.bf16 import Bf16Linear, bfloat16_fast
-from workers.models.fp16 import Fp16Linear, float16_available
-from workers.models.quant import Int4Linear, Int4Weight
+from workers.models.bf16 import Bf16Linear
+from workers.models.fp16 import Fp16Linear
+from workers.models.quant import Int4Linear, Int4Weight, dense_format
 from workers.tree import DraftTree
 
 log = logging.getLogger(__name__)
@@ -408,15 +408,13 @@ class FastLlama:
         head = self.embed if tied else own("lm_head.weight")
         if head_rows is not None:
             head = head[head_rows.to(head.device)]
-        bfloat16_head = bfloat16 or (quantized is not None and bfloat16_fast(self.device))
-        # int4 layers without bfloat16 instructions: float16 logits weights through fbgemm, whose
-        # calls compute a row alike at any row count, where float32's kernel plan changes the
-        # last bits with the rows (so batched and alone logits would differ); float32 out
-        float16_head = (quantized is not None and not bfloat16_head and self.device.type == "cpu"
-                        and float16_available())
+        # with int4 layers the head takes their dense format: fbgemm's float16 calls compute a row
+        # alike at any row count, where float32's kernel plan changes the last bits with the rows
+        # (so batched and alone logits would differ); its logits float32
+        head_format = "bfloat16" if bfloat16 else dense_format(self.device) if quantized is not None else "none"
         self.lm_head: Linear | Bf16Linear | Fp16Linear = (
-            Bf16Linear(head) if bfloat16_head
-            else (float16_head and Fp16Linear.of(head, out_dtype=torch.float32)) or Linear(head))
+            Bf16Linear(head) if head_format == "bfloat16"
+            else (head_format == "float16" and Fp16Linear.of(head, out_dtype=torch.float32)) or Linear(head))
         # what a feature drafter multiplies by in float32: the head's own transposed copy, or a
         # view of the float weights (the embeddings themselves where the model ties them)
         self.head_t = self.lm_head.w_t if isinstance(self.lm_head, Linear) else head.t()

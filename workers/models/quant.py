@@ -177,6 +177,14 @@ def load_int4(path: Path) -> dict[str, Int4Weight] | None:
 DenseCopy = Literal["auto", "bfloat16", "float16", "none"]
 
 
+def dense_format(device: torch.device) -> DenseCopy:
+    """The dense format an int4 target's rows beside the int4 kernel (prompt rows, logits) compute
+    in here: bfloat16 with bfloat16 instructions, else fbgemm's float16 (x86), else none."""
+    if bfloat16_fast(device):
+        return "bfloat16"
+    return "float16" if device.type == "cpu" and float16_available() else "none"
+
+
 class Int4Linear:
     """y = x @ W.T for an Int4Weight: the first `num_scored` rows through the int4 kernel, the
     rest (prefill rows) through a dense copy of the weights: `dense` names its format (auto: where
@@ -188,8 +196,7 @@ class Int4Linear:
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q, _INNER_K_TILES)
         self.scales_zeros = torch.stack([scales, zeros], dim=-1).contiguous()  # [in / 32, out, 2]
         if dense == "auto":
-            dense = ("bfloat16" if bfloat16_fast(torch.device("cpu"))
-                     else "float16" if float16_available() else "none")
+            dense = dense_format(torch.device("cpu"))
         self.dense: Bf16Linear | Fp16Linear | None = None
         if dense != "none":
             # the same values the kernel computes with (bfloat16 scales and zeros), rounded to the copy's format
