@@ -10,9 +10,9 @@
 - `assert_same_or_tie`: a greedy output equals the expected one, or first differs where the
   target's top two logits tie within float rounding.
 - `compact_target_engine` / `compact_prompts` / `logits_three_ways` / `decode_three_ways` /
-  `tree_and_chain_logits`: the shipped target in a compact weight format (int4, bfloat16) and
-  the checks that its rows score and decode the same alone, in a verify chain, in a batch and on
-  a draft tree's leading chain.
+  `tree_rows_and_chains`: the shipped target in a compact weight format (int4, bfloat16) and
+  the checks that its rows score and decode the same alone, in a verify chain, in a batch and as
+  a draft tree's nodes.
 - `slow_device_waits`: a module's `synchronize` replaced by a recorded stand-in wait, for the
   checks that timed GPU work is clocked after the device finishes.
 - `HERMES_TEMPLATE`: a chat template that renders tools and writes calls as Hermes' blocks.
@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -325,18 +326,39 @@ def logits_three_ways(engine: SpecEngine, prompts: list[list[int]]) -> list[Thre
     return out
 
 
-def tree_and_chain_logits(engine: SpecEngine, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The root and the leading chain's two nodes of a draft tree with a second branch (the prompt's
-    last 5 tokens: root, chain, branch), and the same three tokens scored as a chain."""
-    model, head, tail = engine.target.model, torch.tensor(prompt[:-5]), torch.tensor(prompt[-5:])
-    tree = DraftTree((-1, 0, -1, 2))
-    assert tree.leading_chain == 2
-    rows = []
-    for inputs, t in ((tail, tree), (tail[:3], None)):
+@dataclass
+class TreeRows:
+    tree: DraftTree
+    alone: torch.Tensor  # [len(tree) + 1, vocab]: the tree's rows, the tree alone in its forward
+    batched: torch.Tensor  # the same in a batched forward beside a decode step
+    chains: torch.Tensor  # each input's row scored in a chain of its root path (DraftTree.root_paths)
+
+
+def tree_rows_and_chains(engine: SpecEngine, prompt: list[int], trees: int = 4, seed: int = 0) -> list[TreeRows]:
+    """Random draft trees (3-14 nodes, the prompt's tokens) after prefixes of random length, each
+    scored as a tree alone and in a batch, and each node again as the last input of a chain of
+    its root path: what plain decoding computes for it after its ancestors."""
+    model, rng = engine.target.model, random.Random(seed)
+    out = []
+    for _ in range(trees):
+        nodes = rng.randint(3, 14)
+        tree = DraftTree((-1, *(rng.randint(-1, i - 1) for i in range(1, nodes))))
+        cut = rng.randint(8, len(prompt) - nodes - 1)
+        head, inputs = torch.tensor(prompt[:cut]), torch.tensor(prompt[cut : cut + nodes + 1])
         cache = model.new_cache(1024)
         model.forward(head, cache, last_only=True)
-        rows.append(model.forward(inputs, cache, tree=t).logits[:3])
-    return rows[0], rows[1]
+        alone = model.forward(inputs, cache, tree=tree).logits
+        pool = model.new_pool(2, 1024)
+        slots = [pool.allocate(), pool.allocate()]
+        model.forward_batch([SeqInput(head, slots[0], "none"), SeqInput(head[:-1], slots[1], "none")])
+        batched = model.forward_batch([SeqInput(inputs, slots[0], "all", tree), SeqInput(head[-1:], slots[1])])[0]
+        chains = torch.empty_like(alone)
+        for path in tree.root_paths():
+            cache.truncate(cut)
+            chain = model.forward(inputs[list(path.inputs)], cache).logits
+            chains[list(path.inputs[path.first :])] = chain[path.first :]
+        out.append(TreeRows(tree, alone, batched.logits, chains))
+    return out
 
 
 @dataclass
@@ -363,10 +385,10 @@ def decode_three_ways(engine: SpecEngine, prompts: list[list[int]], max_tokens: 
     return Decoded(plain, drafted, [gen.output_ids for gen in gens], lookahead)
 
 
-def chains_where_trees_are_inexact(engine: SpecEngine, drafter: str, k: int, text: str) -> None:
-    """A tree drafter's greedy request as a target that scores only a tree's leading chain exactly
-    would run it (DraftContext.exact_tree False, as on a row-invariant target): every step must
-    draft a chain, and the output must still be plain decoding's."""
+def chains_where_steps_verify_chains(engine: SpecEngine, drafter: str, k: int, text: str) -> None:
+    """A tree drafter's greedy request as a guided request runs it (DraftContext.exact_tree False:
+    its step verifies a chain): every step must draft a chain, and the output must still be plain
+    decoding's."""
     ids = engine.encode(text)
     params = SamplingParams(max_tokens=24)
     gen = engine.start(ids, params)

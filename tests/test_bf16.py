@@ -13,7 +13,7 @@ from helpers import (
     compact_target_engine,
     decode_three_ways,
     logits_three_ways,
-    tree_and_chain_logits,
+    tree_rows_and_chains,
 )
 
 from bench.verify_cost import weight_bytes
@@ -111,13 +111,13 @@ def test_a_bfloat16_rows_logits_are_bit_for_bit_the_same_alone_in_a_verify_chain
 
 
 @fast_bfloat16
-def test_a_bfloat16_draft_trees_leading_chain_is_scored_bit_for_bit_as_a_chain(
+def test_every_node_of_a_bfloat16_draft_tree_is_scored_bit_for_bit_as_a_chain_through_it(
     bf16_engine: SpecEngine, bf16_prompts: list[list[int]],
 ) -> None:
-    """The rows verification reads from a tree on a row-invariant target (workers/verify.py)."""
-    for prompt in bf16_prompts:
-        tree_rows, chain_rows = tree_and_chain_logits(bf16_engine, prompt)
-        assert torch.equal(tree_rows, chain_rows)
+    """Each root path in an attention call of its own (workers/models/llama.py _TreeAttention)."""
+    for seed, prompt in enumerate(bf16_prompts):
+        for rows in tree_rows_and_chains(bf16_engine, prompt, seed=seed):
+            assert torch.equal(rows.alone, rows.chains) and torch.equal(rows.batched, rows.chains), rows.tree
 
 
 @fast_bfloat16
@@ -130,7 +130,7 @@ def test_bfloat16_target_speculative_and_batched_output_equals_its_plain_output(
     assert [r.token_ids for r in out.drafted] == out.plain
     assert sum(r.num_accepted_tokens for r in out.drafted) > 0  # the summaries copy their articles
     assert out.batched == out.plain
-    assert [r.token_ids for r in out.lookahead] == out.plain  # draft trees: read on their leading chain only
+    assert [r.token_ids for r in out.lookahead] == out.plain  # draft trees
     assert sum(r.num_accepted_tokens for r in out.lookahead) > 0
 
 

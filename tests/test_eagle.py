@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TwoTokenCase, chains_where_trees_are_inexact, write_eagle
+from helpers import TwoTokenCase, chains_where_steps_verify_chains, write_eagle
 from safetensors.torch import save_file
 
 from workers.config import EagleDrafterConfig, EngineConfig, NgramDrafterConfig, TreeConfig
@@ -58,8 +58,8 @@ def test_tree_of_one_candidate_per_position_is_the_chain(eagle_engine: SpecEngin
     assert all(s.num_tree_nodes == s.num_draft_tokens for s in tree.steps)
 
 
-def test_tree_drafter_drafts_chains_where_the_target_scores_only_chains_exactly(eagle_engine: SpecEngine) -> None:
-    chains_where_trees_are_inexact(eagle_engine, "eagle_tree", 3, TEXTS[0])
+def test_tree_drafter_drafts_chains_where_the_step_verifies_a_chain(eagle_engine: SpecEngine) -> None:
+    chains_where_steps_verify_chains(eagle_engine, "eagle_tree", 3, TEXTS[0])
 
 
 def test_tree_accepts_more_per_step_than_the_chain(eagle_engine: SpecEngine) -> None:

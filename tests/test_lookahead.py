@@ -46,8 +46,8 @@ def test_the_draft_is_the_window_and_the_guesses_as_one_tree() -> None:
     assert draft.tree.depths[8] == 4  # column 2: 1, 2, 3 then 6, at positions root + 1..4
     # k caps the guesses' length
     assert drafter.propose(state, c, 1).token_ids.tolist()[:2] == [20, 1]
-    # a target that scores only a tree's leading chain exactly: the latest guess leads it, the
-    # other could only give the token the root's row gives anyway, so it is not verified
+    # a step that verifies only a tree's leading chain (a guided request): the latest guess leads
+    # it, the other would never be read, so it is not drafted
     c.exact_tree = False
     draft = drafter.propose(state, c, 2)
     pairs = list(zip(draft.token_ids.tolist(), draft.tree.parents))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TwoTokenCase, chains_where_trees_are_inexact, write_medusa_heads
+from helpers import TwoTokenCase, chains_where_steps_verify_chains, write_medusa_heads
 from safetensors.torch import save_file
 
 from workers.config import EngineConfig, MedusaDrafterConfig, TreeConfig
@@ -58,7 +58,7 @@ def test_tree_greedy_identical_to_plain(medusa_engine: SpecEngine, tmp_path: Pat
         out = engine.generate(ids, SamplingParams(max_tokens=24), "medusa", k)
         assert out.token_ids == plain.token_ids and out.text == plain.text
         assert max(s.num_draft_tokens for s in out.steps) == k and max(s.num_tree_nodes for s in out.steps) > k
-    chains_where_trees_are_inexact(engine, "medusa", k, TEXTS[0])
+    chains_where_steps_verify_chains(engine, "medusa", k, TEXTS[0])
 
 
 def test_heads_predict_the_targets_next_tokens_when_trained_so(tiny_engine: SpecEngine, tmp_path: Path) -> None:

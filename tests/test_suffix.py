@@ -215,7 +215,7 @@ def test_tree_holds_the_likeliest_branches() -> None:
     assert draft.tree is not None and draft.probs is None
     assert list(zip(draft.token_ids.tolist(), draft.tree.parents)) == [(3, -1), (4, 0), (8, 1), (5, -1)]
     assert propose(make(max_spec_factor=10.0), ids, 3) == [3, 4, 8]
-    # a target that scores only a tree's leading chain exactly (DraftContext.exact_tree): the chain
+    # a step that verifies only a chain (a guided request, DraftContext.exact_tree): the chain
     c.exact_tree = False
     draft = drafter.propose(drafter.begin(c), c, 3)
     assert draft.tree is None and draft.token_ids.tolist() == [3, 4, 8]

@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import TwoTokenCase, chains_where_trees_are_inexact
+from helpers import TwoTokenCase, chains_where_steps_verify_chains
 from scipy.stats import chisquare
 
 from workers.config import EngineConfig, ModelConfig, ModelDrafterConfig, TreeConfig
 from workers.engine import SpecEngine
 from workers.sampling import SamplingParams
 from workers.target import ModelLoadError
-from workers.tree import DraftTree, TreeGrowth, grow_tree
+from workers.tree import DraftTree, RootPath, TreeGrowth, grow_tree
 from workers.verify import verify_tree_greedy, verify_tree_sampled
 
 #        root
@@ -97,32 +97,32 @@ def test_tree_greedy_follows_the_targets_child_down() -> None:
     assert (result.num_accepted, result.token_ids, result.path) == (0, [6], ())
 
 
-def test_tree_greedy_reads_no_row_past_the_exact_nodes() -> None:
-    """A row-invariant target's exact rows are the leading chain's (node 0 of TREE): a node past it
-    is taken as the token after its exact parent, and the step ends there."""
+def test_a_trees_root_paths_compute_each_input_once_in_a_chain_of_its_ancestors() -> None:
+    """How a row-invariant target scores a tree (workers/models/llama.py _TreeAttention)."""
     assert (TREE.leading_chain, DraftTree.chain(4).leading_chain, DraftTree((-1, 0, 0, 1)).leading_chain) == (1, 4, 2)
-    draft = torch.tensor([4, 7, 1, 2, 3, 9])
-    result = verify_tree_greedy(one_hot_logits([4, 1, 0, 9, 0, 0, 5]), draft, TREE, exact_nodes=1)
-    assert (result.num_accepted, result.token_ids, result.path) == (1, [4, 1], (0,))  # node 2's row unread
-    result = verify_tree_greedy(one_hot_logits([7, 0, 3, 0, 0, 8, 0]), draft, TREE, exact_nodes=1)
-    assert (result.num_accepted, result.token_ids, result.path) == (0, [7], ())
-    chain = DraftTree.chain(3)
-    result = verify_tree_greedy(one_hot_logits([4, 7, 1, 2]), torch.tensor([4, 7, 1]), chain, chain.leading_chain)
-    assert (result.num_accepted, result.token_ids) == (3, [4, 7, 1, 2])
+    assert DraftTree.chain(3).root_paths() == [RootPath((0, 1, 2, 3), 0)]
+    assert DraftTree(()).root_paths() == [RootPath((0,), 0)]
+    # node 2's path was computed up to node 0 by the leading chain's; node 3, a root child, alone
+    assert DraftTree((-1, 0, 0, -1)).root_paths() == [RootPath((0, 1, 2), 0), RootPath((0, 1, 3), 2),
+                                                      RootPath((0, 4), 1)]
+    for tree in (TREE, DraftTree((-1, -1, 0, 1, 2, 2, -1, 6, 7, 3))):
+        paths = tree.root_paths()
+        computed = sorted(i for p in paths for i in p.inputs[p.first :])
+        assert computed == list(range(len(tree) + 1))  # every input once
+        for p in paths:  # a path is the root, then each node's child
+            assert p.inputs[0] == 0 and all(tree.parents[b - 1] == a - 1 for a, b in zip(p.inputs, p.inputs[1:]))
 
 
-@pytest.mark.parametrize("exact_nodes", [None, 1], ids=["every-row", "leading-chain-only"])
-def test_tree_sampled_is_exactly_target_distributed(exact_nodes: int | None) -> None:
+def test_tree_sampled_is_exactly_target_distributed() -> None:
     """Root children 0 and 1 (node 0 has a child 2); the emitted (first, second) pair must follow
-    p_root, then p at the node taken: the second token exists when the first was a candidate
-    whose row is read (with exact_nodes 1, node 0's only)."""
+    p_root, then p at the node taken."""
     V, trials = 5, 12_000
     probs = torch.tensor([[0.1, 0.3, 0.2, 0.15, 0.25],  # after the root
                           [0.4, 0.1, 0.1, 0.2, 0.2],  # after node 0 (token 1)
                           [0.05, 0.05, 0.3, 0.3, 0.3],  # after node 1 (token 4)
                           [0.2, 0.2, 0.2, 0.2, 0.2]])  # after node 2
     tree, draft = DraftTree((-1, -1, 0)), torch.tensor([1, 4, 0])
-    after = {1: probs[1], 4: probs[2]} if exact_nodes is None else {1: probs[1]}
+    after = {1: probs[1], 4: probs[2]}
     cells: dict[tuple[int, ...], float] = {}
     for a in range(V):
         if a in after:
@@ -133,7 +133,7 @@ def test_tree_sampled_is_exactly_target_distributed(exact_nodes: int | None) -> 
     counts = dict.fromkeys(cells, 0)
     gen = torch.Generator().manual_seed(0)
     for _ in range(trials):
-        result = verify_tree_sampled(probs, draft, tree, gen, exact_nodes)
+        result = verify_tree_sampled(probs, draft, tree, gen)
         counts[tuple(result.token_ids[:2])] += 1
         assert [draft[i] for i in result.path] == result.token_ids[: result.num_accepted]
     keys = sorted(cells)
@@ -188,8 +188,8 @@ def test_model_drafter_tree_greedy_identical_to_plain(tree_engine: SpecEngine, k
         assert max(s.num_tree_nodes for s in drafted) > k  # several candidates per position
 
 
-def test_model_drafter_drafts_chains_where_the_target_scores_only_chains_exactly(tree_engine: SpecEngine) -> None:
-    chains_where_trees_are_inexact(tree_engine, "other_tree", 3, "The quick brown fox jumps over the lazy dog.")
+def test_model_drafter_drafts_chains_where_the_step_verifies_a_chain(tree_engine: SpecEngine) -> None:
+    chains_where_steps_verify_chains(tree_engine, "other_tree", 3, "The quick brown fox jumps over the lazy dog.")
 
 
 def test_model_drafter_tree_sampled_follows_target_distribution(tree_engine: SpecEngine) -> None:

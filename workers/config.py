@@ -222,9 +222,8 @@ class LookaheadDrafterConfig(_Strict):
     draft_len: int = Field(2, ge=1, description="static k: tokens of each guessed n-gram verified (at most N - 1)")
 
     def verified_guesses(self, exact_tree: bool = True) -> int:
-        """The guesses a step verifies: G, or one where the target scores only a tree's leading chain
-        exactly (a row-invariant target, workers/verify.py): a second guess could then only yield
-        the token its parent's row gives the step anyway."""
+        """The guesses a step verifies: G, or one where the step verifies only a tree's leading chain
+        (a guided request, DraftContext.exact_tree): a second guess would never be read."""
         return self.guesses if exact_tree else min(self.guesses, 1)
 
     def size(self, depth: int, exact_tree: bool = True) -> int:

@@ -116,10 +116,10 @@ class Generation:
         self.guide = None if fmt is None else engine.grammars.guide(fmt, self.stop_ids)
         self._bans = Bans.of(params, self.stop_ids, self.model.info.vocab_size, self.device) if params.bans else None
         self._stop_search_from: int | None = None  # where stop strings may start to count (min_tokens)
-        # a guided step masks a chain's rows, so its drafters draft chains, as for a row-invariant target
+        # a guided step masks a chain's rows (_guided), so its drafters draft chains
         self.ctx = DraftContext(list(prompt_ids), params, make_generator(params.seed, self.device), max_len,
                                 num_prompt=len(prompt_ids), domain=domain, cache_salt=cache_salt,
-                                exact_tree=engine.exact_tree and self.guide is None, guide=self.guide)
+                                exact_tree=self.guide is None, guide=self.guide)
         self.with_hidden = engine.needs_hidden_states
         if self.with_hidden:
             dtype = getattr(self.model, "dtype", torch.float32)
@@ -480,14 +480,11 @@ class Generation:
         if self.guide is not None:  # a chain (`_guided`): row r masked after the first r draft tokens
             allowed = torch.from_numpy(self.guide.masks(draft_ids.tolist())).to(logits.device)
             logits = logits.float().masked_fill(~allowed, float("-inf"))
-        # a row-invariant target scores only the tree's leading chain as plain decoding would (verify.py)
-        exact = tree.leading_chain if tree is not None and not self.ctx.exact_tree else None
         if self.params.greedy:
-            return (verify_greedy(logits, draft_ids) if tree is None
-                    else verify_tree_greedy(logits, draft_ids, tree, exact))
+            return verify_greedy(logits, draft_ids) if tree is None else verify_tree_greedy(logits, draft_ids, tree)
         probs = probs_from_logits(logits, self.params)
         if tree is not None:
-            return verify_tree_sampled(probs, draft_ids, tree, self.ctx.generator, exact)
+            return verify_tree_sampled(probs, draft_ids, tree, self.ctx.generator)
         return verify_sampled(probs, draft_ids, draft_probs, self.ctx.generator)
 
     def _penalized(self, logits: torch.Tensor, draft_ids: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
@@ -570,9 +567,6 @@ class SpecEngine:
         self.max_model_len = context_limit(config.target.max_model_len, info.max_position, self.kv_cache_tokens)
         # the target's hidden states are kept per request only when some drafter reads them
         self.needs_hidden_states = any(d.needs_hidden_states for d in drafters.values())
-        # a row-invariant target scores only a draft tree's leading chain as plain decoding would
-        # (workers/verify.py): every request's DraftContext.exact_tree
-        self.exact_tree = not target.model.batch_invariant
         self.learners = [d for d in drafters.values() if isinstance(d, TrafficLearner)]
         self.logits_readers = {name for name, d in drafters.items() if isinstance(d, LogitsReader)}
         # looked up per request and step (isinstance against a Protocol costs ~8 us)

@@ -32,7 +32,6 @@ from policies.stats import StatsStore
 from workers import calibration
 from workers.batch import BatchEngine, BatchStep
 from workers.config import PLAIN, LookaheadDrafterConfig, RoutingConfig
-from workers.drafters.base import drafted_tree
 from workers.drafters.remote import RemoteDrafter
 from workers.engine import Generation, SpecEngine, StepOrder
 from workers.models.base import BatchedLM, CausalLM, SeqInput, forward_rows, synchronize
@@ -178,12 +177,11 @@ def tree_sizes(engine: SpecEngine) -> dict[str, tuple[int, ...]]:
     step verifies at each k = 0..max_draft_len: what the policy prices its verify forward by (a
     chain verifies k)."""
     sizes = {}
-    exact_tree = engine.exact_tree
     for d in engine.config.drafters:
         ks = range(engine.config.max_draft_len + 1)
         if isinstance(d, LookaheadDrafterConfig):
-            sizes[d.name] = tuple(d.size(k, exact_tree) for k in ks)
-        elif (tree := drafted_tree(getattr(d, "tree", None), exact_tree)) is not None:
+            sizes[d.name] = tuple(d.size(k) for k in ks)
+        elif (tree := getattr(d, "tree", None)) is not None:
             sizes[d.name] = tuple(tree.size(k) for k in ks)
     return sizes
 

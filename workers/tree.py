@@ -75,6 +75,33 @@ class DraftTree:
         """[n + 1] position of each input after the root's: the root 0, a node its depth."""
         return torch.tensor((0, *self.depths), dtype=torch.long, device=device)
 
+    def root_paths(self) -> list[RootPath]:
+        """The inputs (root, then nodes) as root paths, one per leaf in node order, each input
+        computed by the first path through it: a row-invariant target scores the tree as these
+        chains (workers/models/llama.py), every node as plain decoding would after its ancestors."""
+        has_child = {p for p in self.parents if p >= 0}
+        done: set[int] = set()
+        paths = []
+        for leaf in (i for i in range(len(self.parents)) if i not in has_child):
+            inputs, node = [], leaf
+            while node >= 0:
+                inputs.append(node + 1)
+                node = self.parents[node]
+            inputs = [0, *reversed(inputs)]
+            first = next(j for j, i in enumerate(inputs) if i not in done)  # the inputs done form a prefix
+            done.update(inputs)
+            paths.append(RootPath(tuple(inputs), first))
+        return paths or [RootPath((0,), 0)]
+
+
+@dataclass(frozen=True)
+class RootPath:
+    """A path of a tree step's inputs from the root (input 0; node i is input i + 1), and the
+    index of the first of them this path computes (those before it, an earlier path did)."""
+
+    inputs: tuple[int, ...]
+    first: int
+
 
 @dataclass
 class TreeGrowth:

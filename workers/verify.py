@@ -20,13 +20,9 @@ the target's p at the node and each rejected child is removed from it; when ever
 rejected the token is drawn from what is left of r. That is exactly a draw from p, so the output
 stays target-distributed.
 
-On a row-invariant target (compact weights, workers/models/llama.py) a chain's rows are scored
-bit for bit as plain decoding scores them, and so are a tree's nodes on its leading chain
-(DraftTree.leading_chain). Any other node sees its ancestors' keys in other places than a chain
-would, which changes its attention's rounding, and bfloat16 products magnify that (up to ~0.25
-logits, measured): its token may still be taken, chosen by its parent's exact row, but the step
-ends there and its own row is never read (`exact_nodes`). Drafters therefore draft chains for such
-a target (DraftContext.exact_tree), lookahead's window aside.
+On a row-invariant target (compact weights, workers/models/llama.py) every row is scored bit for
+bit as plain decoding scores it, a tree's nodes too: each root path of the tree gets an
+attention call of its own, its keys where a chain's would be.
 """
 
 from __future__ import annotations
@@ -85,18 +81,14 @@ def verify_sampled(
 
 
 def verify_tree_greedy(
-    target_logits: torch.Tensor, draft_ids: torch.Tensor, tree: DraftTree, exact_nodes: int | None = None,
+    target_logits: torch.Tensor, draft_ids: torch.Tensor, tree: DraftTree,
 ) -> VerifyResult:
-    """target_logits: [n + 1, vocab], row 0 after the root, row i + 1 after node i; draft_ids: [n].
-    `exact_nodes`: only nodes below this index have rows the step may read (None: all)."""
+    """target_logits: [n + 1, vocab], row 0 after the root, row i + 1 after node i; draft_ids: [n]."""
     target_ids = greedy_ids(target_logits).tolist()
     draft = draft_ids.tolist()
-    last = len(draft) if exact_nodes is None else exact_nodes
     path: list[int] = []
     node = -1
-    # a matching node past `last` is the token emitted after its parent anyway (the argmax)
-    while (nxt := next((c for c in tree.children(node) if draft[c] == target_ids[node + 1]), None)) is not None \
-            and nxt < last:
+    while (nxt := next((c for c in tree.children(node) if draft[c] == target_ids[node + 1]), None)) is not None:
         path.append(nxt)
         node = nxt
     return VerifyResult(len(path), [draft[i] for i in path] + [target_ids[node + 1]], tuple(path))
@@ -104,14 +96,10 @@ def verify_tree_greedy(
 
 def verify_tree_sampled(
     target_probs: torch.Tensor, draft_ids: torch.Tensor, tree: DraftTree, generator: torch.Generator,
-    exact_nodes: int | None = None,
 ) -> VerifyResult:
     """target_probs: [n + 1, vocab] with the request's sampling settings applied, rows as in
-    verify_tree_greedy; the tree's candidates are deterministic (no drafter probabilities).
-    `exact_nodes`: only nodes below this index have rows the step may read (None: all); a node
-    chosen past it is the step's last token."""
+    verify_tree_greedy; the tree's candidates are deterministic (no drafter probabilities)."""
     draft = draft_ids.tolist()
-    last = len(draft) if exact_nodes is None else exact_nodes
     path: list[int] = []
     node = -1
     while True:
@@ -129,7 +117,5 @@ def verify_tree_sampled(
         if chosen is None:
             drawn = int(sample_ids(residual, generator))
             return VerifyResult(len(path), [draft[i] for i in path] + [drawn], tuple(path))
-        if chosen >= last:  # a draw from p at an exact row; its own row is not read
-            return VerifyResult(len(path), [draft[i] for i in path] + [draft[chosen]], tuple(path))
         path.append(chosen)
         node = chosen

@@ -55,9 +55,8 @@ class DraftContext:
     # traffic memory) only with requests of the same salt (None: with unsalted ones), so no tenant
     # reads another's traffic in its timings
     cache_salt: str | None = None
-    # the target scores every node of a draft tree as plain decoding would; False on a row-invariant
-    # target, which scores only a tree's leading chain so (workers/verify.py): only that chain can
-    # add tokens past the one the root's row gives
+    # the step verifies every node of a draft tree; False for a guided request, whose step verifies
+    # a chain (the tree's leading chain, masked by its grammar: SpecEngine's _guided)
     exact_tree: bool = True
     # the request's place in the grammar its output must match (workers/structured.py); None: free text
     guide: Guide | None = None
@@ -68,8 +67,8 @@ class DraftContext:
 
 
 def drafted_tree(tree: TreeConfig | None, exact_tree: bool) -> TreeConfig | None:
-    """The tree a drafter configured with `tree` drafts: none (a chain, which every row scores
-    exactly) where the target scores only a tree's leading chain exactly."""
+    """The tree a drafter configured with `tree` drafts: none (a chain) where the step verifies
+    a chain only (DraftContext.exact_tree)."""
     return tree if exact_tree else None
 
 

@@ -9,7 +9,7 @@ Each step runs two branches beside the step's own token, in the one target forwa
   that column's new level; the column's tokens from the bottom up plus that token are an n-gram,
   which goes to the pool under its first token, and the oldest level drops out.
 - the verification branch: up to G n-grams of the pool that follow the step's last token (one
-  where the target scores only a tree's leading chain exactly: DraftContext.exact_tree).
+  where the step verifies only a tree's leading chain: a guided request, DraftContext.exact_tree).
 Both are paths from the step's root, so the draft is a tree (workers/tree.py) with the branches
 merged where they share a prefix; the engine verifies the whole tree, losslessly for greedy and
 sampled requests alike (any root path the target agrees with is kept, guesses or window), and
