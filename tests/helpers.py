@@ -365,20 +365,22 @@ def tree_rows_and_chains(engine: SpecEngine, prompt: list[int], trees: int = 4, 
 class Decoded:
     plain: list[list[int]]
     drafted: list[GenerationResult]  # prompt lookup, k = 6, one request at a time
-    batched: list[list[int]]  # plain and prompt-lookup requests alternating in one batch
+    batched: list[list[int]]  # plain, prompt-lookup and lookahead requests in turn in one batch
     lookahead: list[GenerationResult]  # lookahead decoding's draft trees, one request at a time
 
 
 def decode_three_ways(engine: SpecEngine, prompts: list[list[int]], max_tokens: int = 48) -> Decoded:
-    """Greedy: plain, prompt lookup alone, and a batch mixing both (more requests than slots,
-    prompts prefilled in chunks beside decode rows)."""
+    """Greedy: plain, prompt lookup and lookahead alone, and a batch mixing plain, prompt-lookup
+    and lookahead requests (draft trees beside chains; more requests than slots, prompts
+    prefilled in chunks beside decode rows)."""
     params = SamplingParams(max_tokens=max_tokens)
     plain = [engine.generate(p, params).token_ids for p in prompts]
     drafted = [engine.generate(p, params, drafter="ngram", draft_len=6) for p in prompts]
     lookahead = [engine.generate(p, params, drafter="lookahead", draft_len=2) for p in prompts]
     batch = BatchEngine(engine)
     gens = [batch.add(p, params) for p in prompts]
-    orders = {g: StepOrder("ngram", 6) if i % 2 else StepOrder(PLAIN, 0) for i, g in enumerate(gens)}
+    kinds = (StepOrder(PLAIN, 0), StepOrder("ngram", 6), StepOrder("lookahead", 2))
+    orders = {g: kinds[i % len(kinds)] for i, g in enumerate(gens)}
     while batch.num_unfinished:
         step = batch.step({g: orders[g] for g in batch.schedule()})
         assert not step.failed

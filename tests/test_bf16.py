@@ -124,8 +124,8 @@ def test_every_node_of_a_bfloat16_draft_tree_is_scored_bit_for_bit_as_a_chain_th
 def test_bfloat16_target_speculative_and_batched_output_equals_its_plain_output(
     bf16_engine: SpecEngine, bf16_prompts: list[list[int]],
 ) -> None:
-    """Prompt lookup and lookahead decoding alone, and a batch mixing plain and prompt-lookup
-    requests: token for token."""
+    """Prompt lookup and lookahead decoding alone, and a batch mixing plain, prompt-lookup and
+    lookahead requests (draft trees): token for token."""
     out = decode_three_ways(bf16_engine, bf16_prompts)
     assert [r.token_ids for r in out.drafted] == out.plain
     assert sum(r.num_accepted_tokens for r in out.drafted) > 0  # the summaries copy their articles

@@ -172,9 +172,9 @@ def test_an_int4_rows_logits_are_the_same_alone_in_a_verify_chain_and_in_a_batch
 def test_int4_target_speculative_and_batched_output_equals_its_plain_output(
     int4_engine: SpecEngine, int4_prompts: list[list[int]],
 ) -> None:
-    """Prompt lookup and lookahead decoding alone, and a batch mixing plain and prompt-lookup
-    requests: the int4 target's own plain output (a differing token only at a float32 tie of the
-    top two logits)."""
+    """Prompt lookup and lookahead decoding alone, and a batch mixing plain, prompt-lookup and
+    lookahead requests (draft trees): the int4 target's own plain output (a differing token only at a
+    float32 tie of the top two logits)."""
     out = decode_three_ways(int4_engine, int4_prompts)
     for prompt, r, expected in zip(int4_prompts, out.drafted, out.plain):
         assert_same_or_tie(int4_engine, prompt, r.token_ids, expected)
