@@ -476,31 +476,33 @@ class FastLlama:
         if end > cache.capacity:
             raise ValueError(f"{end} positions exceed the cache capacity {cache.capacity}")
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        paths = None
         if tree is not None:
             if len(tree) + 1 != n:
                 raise ValueError(f"a tree of {len(tree)} nodes needs {len(tree) + 1} inputs, got {n}")
             positions = start + tree.input_offsets(self.device)
-            mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=self.device),
-                              tree.input_mask(self.device)], dim=1)
+            paths = _TreeAttention.of(tree, start, self, cache.capacity) if self.batch_invariant else None
+            if paths is None:
+                mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=self.device),
+                                  tree.input_mask(self.device)], dim=1)
         if positions is not None:
             cos, sin = self.cos[positions, None], self.sin_signed[positions, None]
         else:
             cos, sin = self.cos[start:end, None], self.sin_signed[start:end, None]  # [n, 1, d]
+        if paths is not None:
+
+            def attend_paths(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                cache.k[i, :, start:end] = k.transpose(0, 1)
+                cache.v[i, :, start:end] = v.transpose(0, 1)
+                return paths.attend(q, k, v, cache.k[i], cache.v[i])
+
+            return self._finish(input_ids, cache, cos, sin, attend_paths, last_only, return_hidden)
         # new token i may see keys 0 .. start + i: plain causal on an empty cache (SDPA's fast
         # path), an explicit mask when a draft follows cached tokens, none for a single token;
         # a row-invariant model always masks explicitly (see invariant_min_queries)
         if mask is None and (self.batch_invariant or (n > 1 and start > 0)):
             mask = torch.arange(end, device=self.device) <= torch.arange(start, end, device=self.device)[:, None]
         if self.batch_invariant:
-            if tree is not None and tree.leading_chain < len(tree):
-                paths = _TreeAttention.of(tree, start, self, cache.capacity)
-
-                def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                    cache.k[i, :, start:end] = k.transpose(0, 1)
-                    cache.v[i, :, start:end] = v.transpose(0, 1)
-                    return paths.attend(q, k, v, cache.k[i], cache.v[i])
-
-                return self._finish(input_ids, cache, cos, sin, attend, last_only, return_hidden)
             return self._forward_invariant(input_ids, cache, cos, sin, mask, last_only, return_hidden)
         causal = n > 1 and mask is None
 
@@ -619,9 +621,9 @@ class FastLlama:
                  for members in _attention_groups(batch, self.group, self.min_queries, key_span)]
         attention = _BatchAttention.of(batch, calls, nh, self.group, d, self.dtype, dev)
         # a draft tree's rows computed again as its root paths' chains (see _TreeAttention)
-        trees = [(a, b, s.cache.slot, _TreeAttention.of(s.tree, s.cache.length, self, pool.capacity))
-                 for s, a, b in zip(batch, bounds, bounds[1:])
-                 if self.batch_invariant and s.tree is not None and s.tree.leading_chain < len(s.tree)]
+        trees = [(a, b, s.cache.slot, paths) for s, a, b in zip(batch, bounds, bounds[1:])
+                 if self.batch_invariant
+                 and (paths := _TreeAttention.of(s.tree, s.cache.length, self, pool.capacity)) is not None]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pool.k[i, row_slot, :, store] = k  # [N, nkv, d] into (slot, position) pairs
@@ -921,7 +923,10 @@ class _TreeAttention:
     restore: _KeyMoves | None
 
     @classmethod
-    def of(cls, tree: DraftTree, start: int, model: FastLlama, capacity: int) -> _TreeAttention:
+    def of(cls, tree: DraftTree | None, start: int, model: FastLlama, capacity: int) -> _TreeAttention | None:
+        """None where one call computes every row as alone already: no tree, or a chain."""
+        if tree is None or tree.leading_chain == len(tree):
+            return None
         group, dev = model.group, model.device
         held = list(range(len(tree) + 1))  # the input whose keys each place after `start` holds
         calls = []
