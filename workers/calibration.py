@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from policies.batching import BatchCost
 from policies.cost import CostTable
 from workers.config import EngineConfig, default_cache_dir
+from workers.models.probes import machine
 
 log = logging.getLogger(__name__)
 
@@ -68,19 +68,6 @@ def _code_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def _machine(device: torch.device) -> dict[str, Any]:
-    if device.type == "cuda":
-        return {"device": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
-    model = platform.processor()
-    try:  # Linux names the CPU here; platform.processor() often says only "x86_64"
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return {"cpu": model, "capability": torch.backends.cpu.get_cpu_capability(), "cpus": os.cpu_count(),
-            "threads": torch.get_num_threads()}
-
-
 def identity(config: EngineConfig, source_dir: Path | str, device: torch.device) -> dict[str, Any]:
     """Everything a calibration's times depend on, as JSON-able data (the file keeps it, so a
     reader can tell why a start measured again)."""
@@ -89,7 +76,7 @@ def identity(config: EngineConfig, source_dir: Path | str, device: torch.device)
         "engine": config.model_dump(mode="json", exclude=_LOG_FIELDS),
         "models": [[field, _stamp(path)] for field, path in config.local_paths()] + [str(source_dir)],
         "software": {"workers": _code_digest(), "torch": torch.__version__},
-        "machine": _machine(device),
+        "machine": machine(device),
     }
 
 

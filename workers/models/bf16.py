@@ -15,7 +15,8 @@ and at one row a kernel that splits a long reduction between the threads ([576, 
 EPYC with AVX512-BF16: one row differs from two in ~2e-4 of the outputs, which bfloat16 output
 rounding hides from most probes). So each weight shape is probed once per process for the row
 counts that compute a row bit for bit alike (`invariant_rows`); smaller calls are padded up to
-that range and larger ones split to fit it.
+that range and larger ones split to fit it. The probe costs seconds (the lm_head's most), so its
+results are kept on disk for the machine's next process (workers/models/probes.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.models.cpu import cpu_bfloat16_pays
+from workers.models.probes import kept_probe
 
 _MAX_CALL_ROWS = 128  # the largest call probed; more rows run as several calls
 _MAX_MIN_ROWS = 4  # a call is padded to at most this many rows
@@ -72,7 +74,7 @@ class CallRows:
     max_rows: int  # more rows run as several calls of at most this many
 
 
-@functools.cache
+@kept_probe(encode=lambda rows: [rows.min_rows, rows.max_rows], decode=lambda v: CallRows(*v))
 def invariant_rows(out_features: int, in_features: int) -> CallRows:
     """Probed on random data, where a different reduction order shows as a different rounding of
     a few outputs in 10^4 or more. `min_rows`: the smallest count m <= _MAX_MIN_ROWS whose calls

@@ -11,18 +11,19 @@ workers/models/quant.py.
 fbgemm computes a call's rows in register blocks whose last, shorter block may sum in another
 order, so a row's result depends on its call's row count (one row alone differs from the same
 row among two). Calls whose row count is a multiple of the block compute every row alike: the
-smallest such `granule` is probed once per weight shape (3 on an AVX2 EPYC), and calls are padded up to
-a multiple of it (prompt rows are many: the padding costs little). The lm_head on it scores a row
-alike in any batch (float32's kernel plan changes a logit's last bits with the row count) and
-costs less for a verify step's rows: an int4 step at k = 5 took 39 against 55 ms, at k = 0 22
-against 24 (AMD EPYC without AVX-512).
+smallest such `granule` is probed once per weight shape and machine (3 on an AVX2 EPYC; kept on
+disk for the next process, workers/models/probes.py), and calls are padded up to a multiple of
+it (prompt rows are many: the padding costs little). The lm_head on it scores a row alike in any
+batch (float32's kernel plan changes a logit's last bits with the row count) and costs less for
+a verify step's rows: an int4 step at k = 5 took 39 against 55 ms, at k = 0 22 against 24 (AMD
+EPYC without AVX-512).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from workers.models.probes import kept_probe
 
 _MAX_GRANULE = 8  # a call is padded up to a multiple of at most this many rows
 _MAX_CALL_ROWS = 128  # the largest call probed; more rows run as several calls
@@ -42,7 +43,7 @@ def _linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.quantized.linear_dynamic_fp16(x, packed)
 
 
-@functools.cache
+@kept_probe()
 def invariant_granule(out_features: int, in_features: int) -> int | None:
     """The smallest g <= _MAX_GRANULE such that calls of every multiple of g rows, up to
     _MAX_CALL_ROWS, compute each row bit for bit as calls of g rows do; probed on random data,
