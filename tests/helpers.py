@@ -331,12 +331,13 @@ class TreeRows:
     tree: DraftTree
     alone: torch.Tensor  # [len(tree) + 1, vocab]: the tree's rows, the tree alone in its forward
     batched: torch.Tensor  # the same in a batched forward beside a decode step
+    among_trees: torch.Tensor  # the same in a batched forward of draft trees only
     chains: torch.Tensor  # each input's row scored in a chain of its root path (DraftTree.root_paths)
 
 
 def tree_rows_and_chains(engine: SpecEngine, prompt: list[int], trees: int = 4, seed: int = 0) -> list[TreeRows]:
     """Random draft trees (3-14 nodes, the prompt's tokens) after prefixes of random length, each
-    scored as a tree alone and in a batch, and each node again as the last input of a chain of
+    scored as a tree alone, in a batch beside a decode step and in one beside another tree, and each node again as the last input of a chain of
     its root path: what plain decoding computes for it after its ancestors."""
     model, rng = engine.target.model, random.Random(seed)
     out = []
@@ -348,16 +349,21 @@ def tree_rows_and_chains(engine: SpecEngine, prompt: list[int], trees: int = 4, 
         cache = model.new_cache(1024)
         model.forward(head, cache, last_only=True)
         alone = model.forward(inputs, cache, tree=tree).logits
-        pool = model.new_pool(2, 1024)
-        slots = [pool.allocate(), pool.allocate()]
-        model.forward_batch([SeqInput(head, slots[0], "none"), SeqInput(head[:-1], slots[1], "none")])
+        pool = model.new_pool(3, 1024)
+        slots = [pool.allocate() for _ in range(3)]
+        model.forward_batch([SeqInput(head, slots[0], "none"), SeqInput(head[:-1], slots[1], "none"),
+                             SeqInput(head[1:], slots[2], "none")])
         batched = model.forward_batch([SeqInput(inputs, slots[0], "all", tree), SeqInput(head[-1:], slots[1])])[0]
+        slots[0].truncate(cut)
+        other = DraftTree((-1,) * 2)  # beside a tree of other paths and another context
+        among_trees = model.forward_batch([SeqInput(inputs, slots[0], "all", tree),
+                                           SeqInput(inputs[:3], slots[2], "all", other)])[0]
         chains = torch.empty_like(alone)
         for path in tree.root_paths():
             cache.truncate(cut)
             chain = model.forward(inputs[list(path.inputs)], cache).logits
             chains[list(path.inputs[path.first :])] = chain[path.first :]
-        out.append(TreeRows(tree, alone, batched.logits, chains))
+        out.append(TreeRows(tree, alone, batched.logits, among_trees.logits, chains))
     return out
 
 

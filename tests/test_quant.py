@@ -212,9 +212,10 @@ def test_every_node_of_an_int4_draft_tree_is_scored_as_a_chain_through_it(
     for seed, prompt in enumerate(int4_prompts):
         for rows in tree_rows_and_chains(int4_engine, prompt, seed=seed):
             if exact:
-                assert torch.equal(rows.alone, rows.chains) and torch.equal(rows.batched, rows.chains), rows.tree
-            torch.testing.assert_close(rows.alone, rows.chains, atol=2e-4, rtol=0)
-            torch.testing.assert_close(rows.batched, rows.chains, atol=2e-4, rtol=0)
+                for scored in (rows.alone, rows.batched, rows.among_trees):
+                    assert torch.equal(scored, rows.chains), rows.tree
+            for scored in (rows.alone, rows.batched, rows.among_trees):
+                torch.testing.assert_close(scored, rows.chains, atol=2e-4, rtol=0)
 
 
 def test_lookahead_verifies_every_guess_on_the_int4_target(
