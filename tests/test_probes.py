@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from workers.files import write_atomically
 from workers.models import probes
 from workers.models.bf16 import CallRows, bfloat16_available, invariant_rows
 
@@ -53,8 +54,8 @@ def test_another_cpu_or_thread_count_probes_again(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(probes, "_cpu", lambda: {"cpu": "another CPU", "flags": "0"})
     counted(8, 16)
     assert calls == [(8, 16)]
-    monkeypatch.undo()
-    monkeypatch.setattr(probes, "machine", lambda device: {"threads": torch.get_num_threads() + 1})
+    real = probes.machine
+    monkeypatch.setattr(probes, "machine", lambda device: {**real(device), "threads": 99})
     new_process()
     counted(8, 16)
     assert calls == [(8, 16)]
@@ -105,3 +106,17 @@ def test_a_kept_bfloat16_probe_is_the_one_this_machine_computes() -> None:
     assert invariant_rows(576, 576) == fresh
     invariant_rows.cache_clear()  # type: ignore[attr-defined]
     assert invariant_rows(576, 576) == fresh  # read back from the file the call above wrote
+
+
+def test_a_writer_that_fails_leaves_the_old_file_whole_and_no_temporary(tmp_path: Path) -> None:
+    path = tmp_path / "kept.json"
+    write_atomically(path, lambda tmp: tmp.write_text("old"))
+
+    def fails(tmp: Path) -> None:
+        tmp.write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        write_atomically(path, fails)
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["kept.json"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 from policies.batching import BatchCost
 from policies.cost import CostTable
 from workers.config import EngineConfig, default_cache_dir
+from workers.files import write_atomically
 from workers.models.probes import machine
 
 log = logging.getLogger(__name__)
@@ -118,9 +118,7 @@ def save(path: Path, ident: dict[str, Any], calibration: Calibration) -> None:
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
+        write_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1)))
         kept = sorted(path.parent.glob("*.json"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
         for old in kept[KEEP_FILES:]:
             old.unlink(missing_ok=True)

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 
 from workers.config import default_cache_dir
+from workers.files import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -89,16 +90,14 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def _write(path: Path, key: str, value: Any) -> None:
-    """Add one result to the file atomically (a process starting beside this one reads all of it
-    or none; two writing at once may lose one result, which the next start probes again)."""
+    """Add one result to the file (two processes writing at once may lose one result, which the
+    next start probes again)."""
     with _lock:
         data = _read(path)
         data[key] = value
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-            os.replace(tmp, path)
+            write_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1, sort_keys=True)))
         except OSError as e:
             log.warning("cannot keep a kernel probe's result at %s: %s", path, e)
 

@@ -29,7 +29,6 @@ whatever else shares its forward. Rounding to bfloat16 would magnify any float32
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from workers.files import write_atomically
 from workers.models.bf16 import Bf16Linear, bfloat16_fast
 from workers.models.fp16 import Fp16Linear, float16_available
 
@@ -151,9 +151,7 @@ def save_int4(weights: Mapping[str, Int4Weight], path: Path) -> None:
         q = w.q.to(torch.uint8)
         tensors[f"{name}.q"] = q[:, 0::2] | (q[:, 1::2] << 4)
         tensors[f"{name}.scales"], tensors[f"{name}.zeros"] = w.scales, w.zeros
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"format": _BLOCKS_FORMAT})
-    os.replace(tmp, path)  # a concurrent or interrupted writer never leaves half a file
+    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": _BLOCKS_FORMAT}))
 
 
 def load_int4(path: Path) -> dict[str, Int4Weight] | None:
