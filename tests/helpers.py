@@ -337,8 +337,9 @@ class TreeRows:
 
 def tree_rows_and_chains(engine: SpecEngine, prompt: list[int], trees: int = 4, seed: int = 0) -> list[TreeRows]:
     """Random draft trees (3-14 nodes, the prompt's tokens) after prefixes of random length, each
-    scored as a tree alone, in a batch beside a decode step and in one beside another tree, and each node again as the last input of a chain of
-    its root path: what plain decoding computes for it after its ancestors."""
+    scored as a tree alone, in a batch beside a decode step and in one beside another tree, and
+    each node again as the last input of a chain of its root path: what plain decoding computes
+    for it after its ancestors."""
     model, rng = engine.target.model, random.Random(seed)
     out = []
     for _ in range(trees):
