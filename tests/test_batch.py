@@ -28,7 +28,7 @@ from workers.drafters.model import ModelDrafter
 from workers.drafters.registry import build_drafter
 from workers.engine import Generation, SpecEngine, StepOrder
 from workers.models import llama
-from workers.models.base import SeqInput
+from workers.models.base import LIBC, SeqInput, release_freed_memory
 from workers.sampling import SamplingParams
 from workers.tree import DraftTree
 
@@ -153,6 +153,24 @@ def test_kv_zeros_take_memory_only_where_written() -> None:
     assert float(kv.sum()) == 0.0 and resident() - before < (32 << 20)
     kv[: 32 << 20] = 1.0  # half written: half resident
     assert resident() - before > (96 << 20)
+
+
+@pytest.mark.skipif(getattr(LIBC, "malloc_trim", None) is None or not Path("/proc/self/statm").exists(),
+                    reason="glibc's malloc_trim and Linux's resident set")
+def test_memory_a_load_frees_goes_back_to_the_system() -> None:
+    """Temporaries freed below a tensor that stays (a load's probes and dequantised copies below
+    its packed weights) stay resident in glibc's heap until released."""
+    def resident() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * mmap.PAGESIZE
+
+    temporaries = [torch.ones(16 << 10) for _ in range(3200)]  # 64 KiB each, 200 MiB: on the heap
+    kept = torch.ones(16 << 10)  # above them
+    full = resident()
+    del temporaries
+    freed = resident()
+    release_freed_memory()
+    assert freed - resident() > (100 << 20), (full, freed, resident())
+    assert float(kept.sum()) == 16 << 10
 
 
 # -- the scheduler --------------------------------------------------------------------------------

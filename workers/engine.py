@@ -40,7 +40,7 @@ from workers.drafters.prediction import PredictionDrafter
 from workers.drafters.registry import build_drafters
 from workers.drafters.remote import DraftService
 from workers.logprobs import TokenText, token_logprobs
-from workers.models.base import ForwardOutput, KVCache, SeqInput, synchronize
+from workers.models.base import ForwardOutput, KVCache, SeqInput, release_freed_memory, synchronize
 from workers.penalties import penalize
 from workers.result import GenerationResult, PredictionTokens, RequestError, StepStats, TokenLogprobs
 from workers.sampling import SamplingParams, make_generator, probs_from_logits
@@ -582,6 +582,7 @@ class SpecEngine:
         target = load_model(config.target)
         drafters = build_drafters(config.drafters, target, services, config.scheduler.max_num_seqs,
                                   config.target.max_model_len)
+        release_freed_memory()  # the loading's temporaries
         return cls(target, drafters, config)
 
     def with_scheduler(self, **settings: Any) -> SpecEngine:

@@ -10,6 +10,8 @@ target through a `TargetView`: its embeddings, rotary tables and output head.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol, runtime_checkable
@@ -24,6 +26,19 @@ def synchronize(device: torch.device) -> None:
     after it without this times the launch alone."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # the C library
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system. Loading frees large temporaries (dequantised
+    weights, the kernel probes' calls), but glibc keeps their pages: the shipped target's engine
+    held 1.7-2.0 GiB resident after probing against 1.4 after this (AVX-512 EPYC). A no-op where
+    the C library has no malloc_trim."""
+    trim = getattr(LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,6 @@ import itertools
 import logging
 import math
 import mmap
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from workers.models.base import ForwardOutput, ModelInfo, SeqInput, TargetView, forward_each
+from workers.models.base import LIBC, ForwardOutput, ModelInfo, SeqInput, TargetView, forward_each
 from workers.models.bf16 import Bf16Linear
 from workers.models.fp16 import Fp16Linear
 from workers.models.quant import Int4Linear, Int4Weight, dense_format
@@ -197,7 +196,6 @@ class KVPool:
         cache.extend(length)
 
 
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 _MADV_DONTNEED = 4  # <sys/mman.h>: private anonymous pages are freed and read back as zeros
 
 
@@ -206,14 +204,14 @@ def _zero_(t: torch.Tensor) -> torch.Tensor:
     which then read as the kernel's one shared zero page until written: no resident memory, and
     reading them (attention's masked padding keys, see KeySpan) costs no memory
     traffic. The partial pages at either end, and any tensor elsewhere, are zeroed in place."""
-    if _LIBC is None or t.device.type != "cpu" or not t.is_contiguous():
+    if LIBC is None or t.device.type != "cpu" or not t.is_contiguous():
         return t.zero_()
     page, size = mmap.PAGESIZE, t.element_size()
     first, last = t.data_ptr(), t.data_ptr() + t.numel() * size
     start, end = -(-first // page) * page, last // page * page
     if end <= start:
         return t.zero_()
-    if _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED):
+    if LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED):
         log.warning("madvise failed (errno %d): zeroing KV memory in place", ctypes.get_errno())
         return t.zero_()
     flat = t.view(-1)
