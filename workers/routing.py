@@ -34,7 +34,7 @@ from workers.batch import BatchEngine, BatchStep
 from workers.config import PLAIN, LookaheadDrafterConfig, RoutingConfig
 from workers.drafters.remote import RemoteDrafter
 from workers.engine import Generation, SpecEngine, StepOrder
-from workers.models.base import BatchedLM, CausalLM, SeqInput, forward_rows, synchronize
+from workers.models.base import BatchedLM, CausalLM, SeqInput, forward_rows, release_freed_memory, synchronize
 from workers.result import GenerationResult, RequestError, RoutingReport, Segment, StepStats
 from workers.sampling import SamplingParams
 from workers.shadows import CheapDrafters
@@ -207,18 +207,24 @@ def measure_draft_costs(engine: SpecEngine, prompt: list[int], repeats: int, k: 
     return out
 
 
+def _measure(engine: SpecEngine) -> tuple[CostTable, BatchCost]:
+    costs, batch_cost = measure_costs(engine), measure_batch_cost(engine)
+    release_freed_memory()  # the measuring forwards' temporaries (prompt chunks of up to thousands of rows)
+    return costs, batch_cost
+
+
 def calibrate(engine: SpecEngine, reuse: bool = True) -> calibration.Calibration:
     """The step costs and the batch's step cost of this deployment: measured, or (`reuse`) read
     back from the calibration an earlier start kept for the same engine, models, code and
     machine (workers/calibration.py), which a measurement then keeps."""
     if not reuse:
-        return calibration.Calibration(measure_costs(engine), measure_batch_cost(engine))
+        return calibration.Calibration(*_measure(engine))
     ident = calibration.identity(engine.config, engine.target.source_dir, engine.target.model.device)
     path = calibration.calibration_path(engine.config, ident)
     if (kept := calibration.load(path, ident)) is not None:
         return kept
     t0 = time.perf_counter()
-    costs, batch_cost = measure_costs(engine), measure_batch_cost(engine)
+    costs, batch_cost = _measure(engine)
     origin = f"measured in {time.perf_counter() - t0:.1f} s, kept at {path}"
     measured = calibration.Calibration(costs, batch_cost, origin)
     calibration.save(path, ident, measured)
