@@ -117,7 +117,6 @@ def save(path: Path, ident: dict[str, Any], calibration: Calibration) -> None:
                        "prefill_seconds": b.prefill_seconds},
     }
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1)))
         kept = sorted(path.parent.glob("*.json"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
         for old in kept[KEEP_FILES:]:

@@ -96,7 +96,6 @@ def _write(path: Path, key: str, value: Any) -> None:
         data = _read(path)
         data[key] = value
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1, sort_keys=True)))
         except OSError as e:
             log.warning("cannot keep a kernel probe's result at %s: %s", path, e)
