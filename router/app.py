@@ -301,6 +301,9 @@ def _param(loc: tuple[Any, ...]) -> str | None:
     return text or None
 
 
+_MAX_INTERNAL_MESSAGE = 500  # characters of an internal error's message a 500 carries
+
+
 def _as_api_error(e: BaseException) -> APIError:
     """An error from a worker call, unwrapped from Ray's wrappers."""
     while isinstance(e, RayTaskError) and e.cause is not None:
@@ -321,7 +324,8 @@ def _as_api_error(e: BaseException) -> APIError:
                              "retry", code="service_unavailable", type="internal_error",
                         headers={"retry-after": str(guard.SETTINGS.retry_after_s)})
     log.error("request failed: %r", e, exc_info=e)
-    return APIError(500, f"internal error: {type(e).__name__}", type="internal_error")
+    # the exception's own words, as vLLM's 500s carry them: what a client can report
+    return APIError(500, f"internal error: {type(e).__name__}: {e}"[:_MAX_INTERNAL_MESSAGE], type="internal_error")
 
 
 def _refusal(status: int, message: str, code: str, path: str) -> JSONResponse:

@@ -983,7 +983,7 @@ def test_concurrent_streams_interleave(base_url: str) -> None:
         body = {"model": MODEL, "prompt": f"Request {name}:", "stream": True, "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True, "speculation": {"drafter": "none"}}
         with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=120) as r:
-            assert r.status_code == 200
+            assert r.status_code == 200, r.text
             for event in _sse(r):
                 with lock:
                     events.append((name, "done" if event == "[DONE]" else "chunk"))
@@ -1079,8 +1079,9 @@ def test_run_batch_against_a_running_server(base_url: str, tmp_path: Path) -> No
               "body": {**body, "speculation": {"drafter": ("none", "ngram", "auto")[i % 3]}}} for i in range(6)]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    assert main(["run-batch", "-i", str(src), "-o", str(out), "--url", base_url, "--concurrency", "4"]) == 0
+    code = main(["run-batch", "-i", str(src), "-o", str(out), "--url", base_url, "--concurrency", "4"])
     got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert code == 0, [g["error"] or g["response"] for g in got if g["error"] or g["response"]["status_code"] != 200]
     assert [g["custom_id"] for g in got] == [f"r{i}" for i in range(6)]
     assert {g["response"]["status_code"] for g in got} == {200}
     assert {g["response"]["body"]["choices"][0]["text"] for g in got} == {alone}
@@ -1220,6 +1221,8 @@ def test_worker_errors_map_to_openai_errors() -> None:
         "too long", "messages", "context_length_exceeded", "invalid_request_error")
     crash = _as_api_error(RuntimeError("boom"))
     assert crash.status == 500 and crash.body.error.type == "internal_error"
+    assert crash.body.error.message == "internal error: RuntimeError: boom"  # what a client can report
+    assert len(_as_api_error(RuntimeError("x" * 10_000)).body.error.message) == 500
 
 
 def test_load_run_against_the_app(base_url: str, tmp_path: Path) -> None:
