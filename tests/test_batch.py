@@ -5,10 +5,10 @@ batch in one call; failure isolation."""
 
 from __future__ import annotations
 
-import mmap
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from helpers import (
@@ -141,18 +141,20 @@ def test_zeroing_kv_memory_zeroes_every_element_and_nothing_beside(offset: int, 
     assert bool(buf[:offset].isnan().all()) and bool(buf[offset + length :].isnan().all())
 
 
+def _resident() -> int:
+    """This process's resident set, in bytes."""
+    return psutil.Process().memory_info().rss
+
+
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads Linux's resident set")
 def test_kv_zeros_take_memory_only_where_written() -> None:
     """A new cache or pool reads zeros (attention reads masked keys past the written ones) without
     holding its capacity resident: pages come from the shared zero page until a sequence writes."""
-    def resident() -> int:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * mmap.PAGESIZE
-
-    before = resident()
+    before = _resident()
     kv = llama._zeros((64 << 20,), torch.float32, torch.device("cpu"))  # 256 MiB
-    assert float(kv.sum()) == 0.0 and resident() - before < (32 << 20)
+    assert float(kv.sum()) == 0.0 and _resident() - before < (32 << 20)
     kv[: 32 << 20] = 1.0  # half written: half resident
-    assert resident() - before > (96 << 20)
+    assert _resident() - before > (96 << 20)
 
 
 @pytest.mark.skipif(getattr(LIBC, "malloc_trim", None) is None or not Path("/proc/self/statm").exists(),
@@ -160,16 +162,13 @@ def test_kv_zeros_take_memory_only_where_written() -> None:
 def test_memory_a_load_frees_goes_back_to_the_system() -> None:
     """Temporaries freed below a tensor that stays (a load's probes and dequantised copies below
     its packed weights) stay resident in glibc's heap until released."""
-    def resident() -> int:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * mmap.PAGESIZE
-
     temporaries = [torch.ones(16 << 10) for _ in range(3200)]  # 64 KiB each, 200 MiB: on the heap
     kept = torch.ones(16 << 10)  # above them
-    full = resident()
+    full = _resident()
     del temporaries
-    freed = resident()
+    freed = _resident()
     release_freed_memory()
-    assert freed - resident() > (100 << 20), (full, freed, resident())
+    assert freed - _resident() > (100 << 20), (full, freed, _resident())
     assert float(kept.sum()) == 16 << 10
 
 
