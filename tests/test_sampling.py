@@ -225,3 +225,22 @@ def test_sample_ids_keeps_leading_dims_repeats_with_its_seed_and_refuses_rows_wi
     for bad in (torch.zeros(4), torch.tensor([0.5, float("nan"), 0.5])):
         with pytest.raises(ValueError, match="mass"):
             sample_ids(bad, make_generator(3))
+
+
+def test_top_p_gives_a_row_the_same_probabilities_whatever_rows_share_its_call() -> None:
+    """A row whose nucleus ends inside a run of equal probabilities, alone and beside a flat row
+    (which makes the call sort more ranks): the same tokens kept, ties taken in id order."""
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(49_152, generator=g) - 20
+    row[:40] = torch.linspace(4.0, 3.2, 40)  # 71% of the mass
+    ties = torch.randperm(49_152, generator=g)[:30]
+    ties = ties[ties >= 40]
+    row[ties] = 3.0  # equal logits straddling where top-p 0.9 cuts
+    flat = torch.randn(49_152, generator=g) * 0.01
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    alone = probs_from_logits(row[None], params)[0]
+    for rows in (torch.stack([row, flat]), torch.stack([flat, row, flat])):
+        beside = probs_from_logits(rows, params)
+        assert torch.equal(beside[(rows == row).all(dim=-1)][0], alone)
+    kept_ties = sorted(ties[alone[ties] > 0].tolist())
+    assert 0 < len(kept_ties) < len(ties) and kept_ties == sorted(ties.tolist())[: len(kept_ties)]

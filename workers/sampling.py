@@ -133,23 +133,32 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """probs kept on the nucleus and renormalised: a token is dropped where the tokens ranked above
-    it already hold top_p of the mass. Only the ranks that can be inside are sorted: the top r by
-    probability (topk), r grown until they hold top_p in every row, so every token below them is
-    dropped, and the result is built from those r alone. A full sort of 49,152 logits took 2.4 ms
-    a row on a 2-core CPU, and masking the vocabulary for a second softmax 0.05-0.1 ms; a nucleus
-    is mostly a few dozen tokens."""
+    it already hold top_p of the mass, tokens of equal probability ranked by id. Only the ranks
+    that can be inside are sorted: the top r by probability (topk), r grown until they hold top_p
+    in every row and the nucleus's last probability ends above rank r's, so every token below them
+    is dropped, and the result is built from those r alone. A full sort of 49,152 logits took
+    2.4 ms a row on a 2-core CPU, and masking the vocabulary for a second softmax 0.05-0.1 ms; a
+    nucleus is mostly a few dozen tokens.
+
+    A row's nucleus must not depend on the other rows of its call (a draft's rows, a batch): how
+    many ranks topk sorts does, and topk orders equal probabilities arbitrarily, so ties are put
+    in id order and the nucleus ends only where its equals all lie within the ranks sorted."""
     vocab = probs.shape[-1]
     ranks = min(_TOP_P_FIRST_RANKS, vocab)
     while True:
         top, order = torch.topk(probs, ranks, dim=-1)  # sorted, largest first
-        mass = top.cumsum(dim=-1)
-        if ranks == vocab or bool((mass[..., -1] >= top_p).all()):
+        mass = top.cumsum(dim=-1)  # equal values in any order sum to the same running mass
+        kept = (mass - top < top_p).sum(dim=-1, keepdim=True).clamp_min(1)  # the likeliest always stays
+        if ranks == vocab or bool(((mass[..., -1:] >= top_p) & (top[..., -1:] < top.gather(-1, kept - 1))).all()):
             break
         ranks = min(4 * ranks, vocab)
-    drop = mass - top >= top_p
-    drop[..., 0] = False  # the likeliest token stays, even for a top_p float32 rounds to 0
-    kept = top.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, kept / kept.sum(dim=-1, keepdim=True))
+    # ties in id order: sort the ranks by id, then stably by probability
+    order, by_id = order.sort(dim=-1)
+    top, by_prob = top.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    order = order.gather(-1, by_prob)
+    kept_probs = top.masked_fill(torch.arange(ranks, device=probs.device) >= kept, 0.0)
+    # the kept ranks are a prefix: their sum is the running mass at the last, whatever r is
+    return torch.zeros_like(probs).scatter_(-1, order, kept_probs / mass.gather(-1, kept - 1))
 
 
 def sample_ids(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
