@@ -206,10 +206,19 @@ class TwoTokenCase:
         firsts = sorted({a for a, _ in self.joint})
         return [firsts[0], firsts[1], next(t for t in range(vocab_size) if t not in firsts)]
 
-    def check(self, engine: SpecEngine, drafter: str, k: int, num_trials: int) -> list[GenerationResult]:
-        """`assert_follows_joint` over `engine` drafting k tokens with `drafter`; the results."""
+    def check(self, engine: SpecEngine, drafter: str, k: int, num_trials: int,
+              draws: str = "stream") -> list[GenerationResult]:
+        """`assert_follows_joint` over `engine` drafting k tokens with `drafter`, its seeded draws
+        taken as `draws` says (stream: rejection sampling's); the results."""
+        engine = with_draws(engine, draws)
         return assert_follows_joint(self.joint, num_trials, lambda seed: engine.generate(
             self.prompt, SamplingParams(seed=seed, **TWO_TOKEN_PARAMS), drafter, k))
+
+
+def with_draws(engine: SpecEngine, draws: str) -> SpecEngine:
+    """The engine over the same target and drafters, seeded requests drawing as `draws` says
+    (EngineConfig.seeded_draws): the statistical tests check rejection sampling with "stream"."""
+    return SpecEngine(engine.target, engine.drafters, engine.config.model_copy(update={"seeded_draws": draws}))
 
 
 def tiny_eagle_config(engine: SpecEngine, draft_vocab: list[int] | None = None) -> EagleConfig:
@@ -376,11 +385,12 @@ class Decoded:
     lookahead: list[GenerationResult]  # lookahead decoding's draft trees, one request at a time
 
 
-def decode_three_ways(engine: SpecEngine, prompts: list[list[int]], max_tokens: int = 48) -> Decoded:
-    """Greedy: plain, prompt lookup and lookahead alone, and a batch mixing plain, prompt-lookup
-    and lookahead requests (draft trees beside chains; more requests than slots, prompts
-    prefilled in chunks beside decode rows)."""
-    params = SamplingParams(max_tokens=max_tokens)
+def decode_three_ways(engine: SpecEngine, prompts: list[list[int]], max_tokens: int = 48,
+                      params: SamplingParams | None = None) -> Decoded:
+    """Plain, prompt lookup and lookahead alone, and a batch mixing plain, prompt-lookup and
+    lookahead requests (draft trees beside chains; more requests than slots, prompts prefilled in
+    chunks beside decode rows); greedy unless `params` says otherwise."""
+    params = params or SamplingParams(max_tokens=max_tokens)
     plain = [engine.generate(p, params).token_ids for p in prompts]
     drafted = [engine.generate(p, params, drafter="ngram", draft_len=6) for p in prompts]
     lookahead = [engine.generate(p, params, drafter="lookahead", draft_len=2) for p in prompts]

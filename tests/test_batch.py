@@ -17,6 +17,7 @@ from helpers import (
     assert_follows_joint,
     assert_same_or_tie,
     slow_device_waits,
+    with_draws,
     write_eagle,
     write_medusa_heads,
 )
@@ -215,9 +216,10 @@ def test_sampled_requests_in_a_mixed_batch_follow_the_target(engine: SpecEngine,
     draws from the target's distribution (chi-square over seeds)."""
     case = TwoTokenCase.of(engine)
     drafters = [d for d, k in MIX]
+    stream = with_draws(engine, "stream")  # rejection sampling
 
     def generate(seed: int):
-        batch = BatchEngine(engine)
+        batch = BatchEngine(stream)
         drafter = drafters[seed % len(drafters)]
         sampled = batch.add(case.prompt, SamplingParams(seed=seed, **TWO_TOKEN_PARAMS))
         others = [batch.add(p, greedy(6)) for p in prompts[:2]]
@@ -333,7 +335,7 @@ def test_a_batch_drafter_proposes_what_it_proposes_alone(
     impl = with_features.drafters[drafter]
     assert isinstance(impl, BatchDrafter)
     params = SamplingParams(max_tokens=40, temperature=0.8, seed=3) if sampled else greedy(40)
-    gens = _started(with_features, prompts[:3], params, 2)
+    gens = _started(with_draws(with_features, "stream"), prompts[:3], params, 2)  # sampled: drawn drafts
     ks = [3, 1, 2]
     batched = [impl.begin(g.ctx) for g in gens]  # the model drafter's first three slots: pooled
     alone = [impl.begin(g.ctx) for g in gens]
@@ -407,8 +409,10 @@ def test_sampled_requests_drafting_in_one_call_follow_the_target(
     real = impl.propose_batch
     monkeypatch.setattr(impl, "propose_batch", lambda requests: sizes.append(len(requests)) or real(requests))
 
+    stream = with_draws(with_features, "stream")  # rejection sampling
+
     def generate(seed: int):
-        batch = BatchEngine(with_features)
+        batch = BatchEngine(stream)
         gens = [batch.add(case.prompt, SamplingParams(seed=seed, **TWO_TOKEN_PARAMS)),
                 batch.add(case.prompt, greedy(6)), batch.add(case.prompt, SamplingParams(max_tokens=6, seed=seed + 1))]
         run_batch(batch, gens, {g: StepOrder(drafter, 2) for g in gens})

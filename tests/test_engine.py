@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from helpers import TwoTokenCase, slow_device_waits
+from helpers import TwoTokenCase, slow_device_waits, with_draws
 
 from policies.controller import FirstTry, StepChoice
 from workers.config import EngineConfig, ModelConfig, ModelDrafterConfig, NgramDrafterConfig
@@ -692,6 +692,7 @@ def test_sampled_self_drafting_is_almost_always_accepted(engine: SpecEngine, pro
     acceptance probability min(1, p/q) is 1 up to rounding. A drafter that sampled from a
     different distribution than it reports (or a target side with other settings) would not."""
     params = SamplingParams(max_tokens=40, temperature=0.7, top_k=40, top_p=0.9, seed=3, ignore_eos=True)
+    engine = with_draws(engine, "stream")  # rejection sampling
     result = engine.generate(prompts[0], params, "self", 4)
     assert result.num_accepted_tokens >= 0.95 * result.num_draft_tokens
     # not a degenerate distribution where anything is accepted: a near drafter is often rejected
@@ -699,11 +700,13 @@ def test_sampled_self_drafting_is_almost_always_accepted(engine: SpecEngine, pro
     assert near.num_accepted_tokens < 0.8 * near.num_draft_tokens
 
 
-def test_sampled_output_follows_target_distribution(engine: SpecEngine) -> None:
+@pytest.mark.parametrize("draws", ["stream", "position"])
+def test_sampled_output_follows_target_distribution(engine: SpecEngine, draws: str) -> None:
     """End to end: the first two sampled tokens (top-k 3, so 9 possible pairs) of speculative
-    decoding with the perturbed drafter follow the target's exact joint distribution."""
+    decoding with the perturbed drafter follow the target's exact joint distribution, by
+    rejection sampling and by exact match against draws keyed by position."""
     num_trials = 800
-    results = TwoTokenCase.of(engine).check(engine, "perturbed", 1, num_trials)
+    results = TwoTokenCase.of(engine).check(engine, "perturbed", 1, num_trials, draws)
     accepted = sum(r.num_accepted_tokens for r in results)
     assert 0 < accepted < num_trials  # both the accept and the reject path were taken
 

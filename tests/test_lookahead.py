@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TWO_TOKEN_PARAMS, TwoTokenCase, assert_follows_joint, assert_same_or_tie
+from helpers import TWO_TOKEN_PARAMS, TwoTokenCase, assert_follows_joint, assert_same_or_tie, with_draws
 from pydantic import ValidationError
 
 from workers.config import EngineConfig, LookaheadDrafterConfig, NgramDrafterConfig, SuffixDrafterConfig, TreeConfig
@@ -203,7 +203,7 @@ def test_batched_with_other_drafters_stays_plain(tiny_config) -> None:
 def test_sampled_output_follows_target_distribution(tiny_config) -> None:
     """The tree's multi-candidate rejection rule, with the two likeliest first tokens guessed (both
     the accept and the reject path taken) beside the window."""
-    engine = lookahead_engine(tiny_config, window=2, ngram=3, guesses=2)
+    engine = with_draws(lookahead_engine(tiny_config, window=2, ngram=3, guesses=2), "stream")
     case = TwoTokenCase.of(engine)
     a, b, _ = case.draft_vocab(engine.target.model.info.vocab_size)
     drafter = engine.drafters["lookahead"]

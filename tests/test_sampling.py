@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from workers.sampling import SamplingParams, make_generator, probs_from_logits, sample_ids
+from workers.sampling import PositionDraws, SamplingParams, make_generator, probs_from_logits, sample_at, sample_ids
 
 
 def params(**kw) -> SamplingParams:
@@ -225,6 +225,29 @@ def test_sample_ids_keeps_leading_dims_repeats_with_its_seed_and_refuses_rows_wi
     for bad in (torch.zeros(4), torch.tensor([0.5, float("nan"), 0.5])):
         with pytest.raises(ValueError, match="mass"):
             sample_ids(bad, make_generator(3))
+
+
+def test_position_draws_are_fixed_per_seed_and_position_and_uniform() -> None:
+    """A seed's draw at a position is the same whichever span asks for it; other seeds differ;
+    over many positions the draws are uniform on [0, 1) (chi-square over 20 bins)."""
+    draws = PositionDraws(7)
+    whole = draws.uniforms(0, 64)
+    assert whole.dtype == torch.float64 and whole.shape == (64,)
+    assert torch.equal(draws.uniforms(40, 8), whole[40:48])
+    assert not torch.equal(PositionDraws(8).uniforms(0, 64), whole)
+    assert torch.equal(PositionDraws(-3).uniforms(0, 4), PositionDraws(-3).uniforms(0, 4))  # any int seed
+    grid = torch.stack([PositionDraws(s).uniforms(0, 64) for s in range(64)])  # seed x position, small ints
+    assert grid.unique().numel() == grid.numel() and bool((grid > 0).all())
+    u = torch.cat([PositionDraws(s).uniforms(0, 500) for s in range(20)]).numpy()
+    assert ((u >= 0) & (u < 1)).all()
+    assert chisquare(np.histogram(u, bins=20, range=(0, 1))[0]).pvalue > 1e-4
+
+
+def test_sample_at_inverts_the_cumulative_mass() -> None:
+    mass = torch.tensor([[1.0, 0.0, 3.0], [0.0, 2.0, 2.0]])
+    assert sample_at(mass, torch.tensor([0.2, 0.2])).tolist() == [0, 1]
+    assert sample_at(mass, torch.tensor([0.3, 0.6])).tolist() == [2, 2]
+    assert sample_at(mass[0], torch.tensor(0.9999)).item() == 2
 
 
 def test_top_p_gives_a_row_the_same_probabilities_whatever_rows_share_its_call() -> None:

@@ -657,8 +657,8 @@ def test_tool_choice_auto_calls_or_answers_streamed_and_not(client) -> None:
     """"auto", the default with tools: the model calls tools or answers, under one grammar; an
     answer streams as content deltas that add up to the message the same request gets unstreamed,
     calls go out whole (an answer max_tokens cuts short keeps what it wrote). Sampled over seeds,
-    the tiny model does both. A seed repeats a sampled output for the same drafter schedule, so the
-    drafter and k are pinned (under "auto" they follow live statistics the requests change)."""
+    the tiny model does both. A seed repeats a sampled output where the target computes its rows
+    alike: this float32 one does only in calls of the same shape, so the drafter and k are pinned."""
     kinds = set()
     pinned = {"speculation": {"drafter": "ngram", "draft_len": 3}}
     for seed in range(12):

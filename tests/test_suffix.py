@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers import TWO_TOKEN_PARAMS, TwoTokenCase, assert_follows_joint
+from helpers import TWO_TOKEN_PARAMS, TwoTokenCase, assert_follows_joint, with_draws
 from pydantic import ValidationError
 
 from workers.config import NgramDrafterConfig, SuffixDrafterConfig, TreeConfig
@@ -241,7 +241,7 @@ def test_sampled_output_follows_target_distribution(tiny_config, sample_drafts: 
     (the likeliest): the first two sampled tokens follow the target's joint distribution while
     the drafter proposes from its domain memory (both the accept and the reject path taken; a
     drawn draft also puts mass on a token the target never samples)."""
-    engine = suffix_engine(tiny_config, sample_drafts=sample_drafts)
+    engine = with_draws(suffix_engine(tiny_config, sample_drafts=sample_drafts), "stream")
     case = TwoTokenCase.of(engine)
     a, b, never = case.draft_vocab(engine.target.model.info.vocab_size)
     drafter = engine.drafters["suffix"]

@@ -43,11 +43,18 @@ from workers.logprobs import TokenText, token_logprobs
 from workers.models.base import ForwardOutput, KVCache, SeqInput, release_freed_memory, synchronize
 from workers.penalties import penalize
 from workers.result import GenerationResult, PredictionTokens, RequestError, StepStats, TokenLogprobs
-from workers.sampling import SamplingParams, make_generator, probs_from_logits
+from workers.sampling import PositionDraws, SamplingParams, make_generator, probs_from_logits
 from workers.structured import Grammars
 from workers.target import LoadedModel, load_model
 from workers.tree import DraftTree
-from workers.verify import VerifyResult, verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
+from workers.verify import (
+    VerifyResult,
+    verify_drawn,
+    verify_greedy,
+    verify_sampled,
+    verify_tree_greedy,
+    verify_tree_sampled,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -116,10 +123,13 @@ class Generation:
         self.guide = None if fmt is None else engine.grammars.guide(fmt, self.stop_ids)
         self._bans = Bans.of(params, self.stop_ids, self.model.info.vocab_size, self.device) if params.bans else None
         self._stop_search_from: int | None = None  # where stop strings may start to count (min_tokens)
+        # a seeded sampled request's draws keyed by position (PositionDraws), as configured
+        self.draws = (PositionDraws(params.seed) if params.seed is not None and not params.greedy
+                      and engine.config.seeded_draws == "position" else None)
         # a guided step masks a chain's rows (_guided), so its drafters draft chains
         self.ctx = DraftContext(list(prompt_ids), params, make_generator(params.seed, self.device), max_len,
                                 num_prompt=len(prompt_ids), domain=domain, cache_salt=cache_salt,
-                                exact_tree=self.guide is None, guide=self.guide)
+                                exact_tree=self.guide is None, guide=self.guide, exact_match=self.draws is not None)
         self.with_hidden = engine.needs_hidden_states
         if self.with_hidden:
             dtype = getattr(self.model, "dtype", torch.float32)
@@ -483,6 +493,9 @@ class Generation:
         if self.params.greedy:
             return verify_greedy(logits, draft_ids) if tree is None else verify_tree_greedy(logits, draft_ids, tree)
         probs = probs_from_logits(logits, self.params)
+        if self.draws is not None:  # the rows predict positions len(token_ids) onwards, one per depth
+            depth = draft_ids.shape[0] if tree is None else tree.depth
+            return verify_drawn(probs, draft_ids, self.draws.uniforms(len(self.ctx.token_ids), depth + 1), tree)
         if tree is not None:
             return verify_tree_sampled(probs, draft_ids, tree, self.ctx.generator)
         return verify_sampled(probs, draft_ids, draft_probs, self.ctx.generator)

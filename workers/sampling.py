@@ -169,12 +169,57 @@ def sample_ids(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     A draw at a token boundary moves with the slightest change of the mass before it: the same
     request gives the same tokens alone and in a batch where the target computes a row alike in
     any batch (int4, bfloat16), as greedy decoding does."""
+    u = torch.rand(probs.shape[:-1], generator=generator, dtype=torch.float64, device=probs.device)
+    return sample_at(probs, u)
+
+
+def sample_at(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`sample_ids` at given uniform draws u [...] in [0, 1): the token whose share of the row's
+    cumulative mass holds u."""
     cdf = probs.cumsum(-1, dtype=torch.float64)
     total = cdf[..., -1:]
     if not bool(((total > 0) & total.isfinite()).all()):
         raise ValueError("cannot sample from a distribution without finite, positive mass")
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device) * total
-    return torch.searchsorted(cdf, u, right=True).clamp_max_(probs.shape[-1] - 1)[..., 0]
+    scaled = u.to(device=probs.device, dtype=torch.float64).unsqueeze(-1) * total
+    return torch.searchsorted(cdf, scaled, right=True).clamp_max_(probs.shape[-1] - 1)[..., 0]
+
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit words whose outputs of neighbouring inputs
+    look independent (Steele et al. 2014)."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+@dataclass(frozen=True)
+class PositionDraws:
+    """A seeded request's uniform draws keyed by its seed and each token's position, not taken in
+    turn from a stream: the token at position t is sample_at(p_t, u(seed, t)), whatever drafted it
+    and however many tokens each step verified. A step then verifies a draft by exact match against
+    these draws (workers/verify.py `verify_drawn`), as greedy decoding matches the argmax, and the
+    output is the one plain sampling with the seed gives, under any drafter, routing and batch,
+    wherever the target scores a row alike in any call (int4, bfloat16; see workers/models/quant.py).
+
+    u(seed, t) is the t-th output of splitmix64 from the scrambled seed, so draws behave as independent
+    uniforms, and each token is an exact draw from the target's distribution given the tokens
+    before it.
+    A deterministic draft token x is accepted with probability p(x), as rejection sampling accepts
+    it; a drafter that would draw from its own q proposes its likeliest token instead (measured on
+    Spec-Bench at temperature 0.7: p(argmax q) 85% of the sum min(p, q) rejection sampling accepts,
+    an inverse-CDF draw of q at the same u 75%)."""
+
+    seed: int
+
+    def uniforms(self, start: int, n: int) -> torch.Tensor:
+        """[n] float64: the draws of positions start .. start + n - 1."""
+        key = _mix64(self.seed & _MASK64)  # splitmix64's sequence from a state the seed scrambles
+        return torch.tensor([(_mix64((key + (t + 1) * _GOLDEN) & _MASK64) >> 11) * 2.0**-53
+                             for t in range(start, start + n)], dtype=torch.float64)
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:

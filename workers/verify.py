@@ -20,6 +20,13 @@ the target's p at the node and each rejected child is removed from it; when ever
 rejected the token is drawn from what is left of r. That is exactly a draw from p, so the output
 stays target-distributed.
 
+A seeded request whose draws are keyed by position (workers/sampling.py PositionDraws) verifies
+by exact match instead, greedy's rule with the argmax replaced by the position's own draw: a
+chain's or a tree's node is accepted where its token is the one the target draws there
+(`verify_drawn`). A deterministic draft token is accepted with probability p(x) as under
+rejection sampling, a tree's children with their summed mass as under SpecInfer's rule, and the
+output is plain sampling's with the same draws.
+
 On a row-invariant target (compact weights, workers/models/llama.py) every row is scored bit for
 bit as plain decoding scores it, a tree's nodes too: each root path of the tree gets an
 attention call of its own, its keys where a chain's would be.
@@ -31,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.sampling import greedy_ids, sample_ids
+from workers.sampling import greedy_ids, sample_at, sample_ids
 from workers.tree import DraftTree
 
 
@@ -119,3 +126,23 @@ def verify_tree_sampled(
             return VerifyResult(len(path), [draft[i] for i in path] + [drawn], tuple(path))
         path.append(chosen)
         node = chosen
+
+
+def verify_drawn(
+    target_probs: torch.Tensor, draft_ids: torch.Tensor, uniforms: torch.Tensor, tree: DraftTree | None = None,
+) -> VerifyResult:
+    """target_probs: [n + 1, vocab] with the request's sampling settings applied, rows as in
+    verify_tree_greedy (a chain: row i after draft position i - 1); uniforms [depth + 1]: the
+    draws of the positions the step's rows predict, the root's row first (PositionDraws). Only the
+    rows on the accepted path are drawn."""
+    draft = draft_ids.tolist()
+    shape = tree or DraftTree.chain(len(draft))
+    path: list[int] = []
+    node = -1
+    while True:
+        drawn = int(sample_at(target_probs[node + 1], uniforms[len(path)]))
+        nxt = next((c for c in shape.children(node) if draft[c] == drawn), None)
+        if nxt is None:
+            return VerifyResult(len(path), [draft[i] for i in path] + [drawn], tuple(path) if tree is not None else ())
+        path.append(nxt)
+        node = nxt

@@ -60,6 +60,15 @@ class DraftContext:
     exact_tree: bool = True
     # the request's place in the grammar its output must match (workers/structured.py); None: free text
     guide: Guide | None = None
+    # a sampled request's steps verify by exact match against draws keyed by position
+    # (workers/sampling.py PositionDraws), where a drawn draft is accepted less often than the likeliest
+    exact_match: bool = False
+
+    @property
+    def likeliest(self) -> bool:
+        """Whether a drafter proposes its likeliest tokens (greedy decoding, or exact-match
+        verification), not draws from its distribution."""
+        return self.params.greedy or self.exact_match
 
     def tree_shape(self, tree: TreeConfig | None) -> TreeConfig | None:
         """The tree a drafter configured with `tree` drafts for this request (`drafted_tree`)."""

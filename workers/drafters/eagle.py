@@ -339,7 +339,7 @@ class EagleDrafter:
     def _sample(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[int, torch.Tensor | None]:
         """The next draft token from logits [1, draft_vocab], and its distribution over the whole
         vocabulary when sampled."""
-        if ctx.params.greedy:
+        if ctx.likeliest:
             return int(token_ids_of(greedy_ids(logits[0]), self.vocab_ids)), None
         p = probs_from_logits(logits, ctx.params)
         row = sample_ids(p[0], ctx.generator)

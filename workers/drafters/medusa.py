@@ -185,7 +185,7 @@ class MedusaDrafter:
                                          tree.nodes)
             tree_rows = torch.tensor(rows_list, dtype=torch.long, device=logits.device)
             return Draft(token_ids_of(tree_rows, self.vocab_ids), tree=shape)
-        if ctx.params.greedy:
+        if ctx.likeliest:
             rows, probs = greedy_ids(logits), None
         else:
             q = probs_from_logits(logits, ctx.params)

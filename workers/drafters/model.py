@@ -122,7 +122,7 @@ class ModelDrafter:
     def _sample(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The next draft token [1] from logits [1, vocab'], and its distribution over the whole
         vocabulary when sampled."""
-        if ctx.params.greedy:
+        if ctx.likeliest:
             return token_ids_of(greedy_ids(logits[0]).view(1), self.vocab_ids), None
         p = probs_from_logits(logits, ctx.params)  # [1, vocab']
         row = sample_ids(p, ctx.generator)  # [1]

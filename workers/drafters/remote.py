@@ -39,6 +39,7 @@ class DraftCall:
     seq: int  # draft calls of this session before this one
     commit: tuple[int, int] | None = None  # (num_new, num_accepted) of the previous call's step
     exact_tree: bool = True  # DraftContext.exact_tree of the request
+    exact_match: bool = False  # DraftContext.exact_match of the request
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class RemoteDrafter:
 
     def propose(self, state: RemoteState, ctx: DraftContext, k: int) -> Draft:
         reply = self.service.draft(DraftCall(state.session, list(ctx.token_ids), k, ctx.params, ctx.max_len,
-                                             self.vocab_size, state.seq, state.commit, ctx.exact_tree))
+                                             self.vocab_size, state.seq, state.commit, ctx.exact_tree, ctx.exact_match))
         state.seq += 1
         state.commit = None
         ids = torch.tensor(reply.token_ids, dtype=torch.long)
@@ -144,7 +145,8 @@ class DraftSessions:
             generator.manual_seed(call.params.seed)
         else:
             generator.seed()
-        ctx = DraftContext(list(call.token_ids), call.params, generator, call.max_len, exact_tree=call.exact_tree)
+        ctx = DraftContext(list(call.token_ids), call.params, generator, call.max_len, exact_tree=call.exact_tree,
+                           exact_match=call.exact_match)
         session = _Session(self.drafter.begin(ctx), ctx, call.seq)
         self.sessions[call.session] = session
         while len(self.sessions) > self.max_sessions:
