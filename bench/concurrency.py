@@ -155,13 +155,16 @@ def run_levels(
                 with memories.of(method):
                     runs[method].append(_run(engine, router, requests, params, c, method, peer))
         base = _tokens_per_s(max(runs[PLAIN_METHOD], key=_tokens_per_s))
-        out[str(c)] = {m: _result(each, base, reference if _compared(m, params) else None) for m, each in runs.items()}
+        out[str(c)] = {m: _result(each, base, reference if _compared(m, params, engine) else None)
+                       for m, each in runs.items()}
     return out
 
 
-def _compared(method: str, params: SamplingParams) -> bool:
-    """Whether a method's outputs are compared with each request's plain output alone."""
-    return method not in SERVER_MODES and (params.greedy or method in PLAIN_METHODS)
+def _compared(method: str, params: SamplingParams, engine: SpecEngine) -> bool:
+    """Whether a method's outputs are compared with each request's plain output alone: greedy,
+    plain sampling, or any method of ours where seeded draws are keyed by position."""
+    return method not in SERVER_MODES and (params.greedy or method in PLAIN_METHODS
+                                           or engine.config.seeded_draws == "position")
 
 
 def _run(engine: SpecEngine, router: Router | None, requests: Sequence[Request], params: SamplingParams, c: int,

@@ -73,6 +73,13 @@ def check_methods(
     return list(dict.fromkeys([*first, *methods]))
 
 
+def token_checked(method: str, params: SamplingParams, config: EngineConfig) -> bool:
+    """Whether `method`'s outputs must repeat its reference's tokens: greedy decoding, or, sampled,
+    our engine's methods where seeded draws are keyed by position (`seeded_draws`), which give
+    plain sampling's tokens under any drafter; transformers' samplers draw numbers of their own."""
+    return params.greedy or (config.seeded_draws == "position" and method not in HF_METHODS)
+
+
 def assistant_config(config: EngineConfig) -> ModelDrafterConfig | None:
     return next((d for d in config.drafters if isinstance(d, ModelDrafterConfig)), None)
 

@@ -32,7 +32,15 @@ from bench.concurrency import (
 from bench.llama_server import SERVER_MODES
 from bench.lossless import find_mismatches
 from bench.machine import machine_info
-from bench.methods import HF_METHODS, ROUTER_METHOD, TrafficMemories, assistant_config, build_methods, check_methods
+from bench.methods import (
+    HF_METHODS,
+    ROUTER_METHOD,
+    TrafficMemories,
+    assistant_config,
+    build_methods,
+    check_methods,
+    token_checked,
+)
 from bench.prompts import BenchPrompt, load_prompts
 from bench.records import RunRecord
 from bench.report import machine_section, sampling_text, write_report
@@ -135,7 +143,8 @@ def run_concurrency_bench(args: BenchArgs) -> dict:
         "target": engine.target.name, "device": str(engine.target.model.device), "max_tokens": args.max_tokens,
         "num_prompts": len(requests), "methods": methods,
         "scheduler": engine.config.scheduler.model_dump(),
-        "sampling": {"temperature": params.temperature, "top_p": params.top_p, "seed": args.seed},
+        "sampling": {"temperature": params.temperature, "top_p": params.top_p, "seed": args.seed,
+                     "draws": args.config.seeded_draws},
         "summary": {"concurrency": summary}, "machine": machine_info(), "command": args.command,
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -203,7 +212,8 @@ def run_bench(args: BenchArgs) -> dict:
                     records.append(record)
                 bar.update()
 
-    mismatches = find_mismatches(records, prompt_ids, load_target) if params.greedy else []
+    checked = functools.partial(token_checked, params=params, config=args.config)
+    mismatches = find_mismatches([r for r in records if checked(r.method)], prompt_ids, load_target)
     for m in mismatches:
         log.warning("method %s differs from %s on question %s at position %d (top-2 gap %s)", m.method,
                     reference_method(m.method), m.question_id, m.position,
@@ -217,8 +227,9 @@ def run_bench(args: BenchArgs) -> dict:
         "device": str(engine.target.model.device),
         "max_tokens": args.max_tokens,
         "runs": [asdict(r) for r in records],
-        "sampling": {"temperature": params.temperature, "top_p": params.top_p, "seed": args.seed},
-        "summary": {c: {m: asdict(s) for m, s in ms.items()} for c, ms in summarize(records, params.greedy).items()},
+        "sampling": {"temperature": params.temperature, "top_p": params.top_p, "seed": args.seed,
+                     "draws": args.config.seeded_draws},
+        "summary": {c: {m: asdict(s) for m, s in ms.items()} for c, ms in summarize(records, checked).items()},
         "mismatches": [asdict(m) for m in mismatches],
         "verify_curve": curve,
         "machine": machine_info(),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from bench.records import MethodSummary, RunRecord
 
@@ -17,12 +17,13 @@ def reference_method(method: str) -> str:
     return LLAMA_CPP_PLAIN if method.startswith(LLAMA_CPP_PLAIN) else PLAIN_METHOD
 
 
-def summarize_group(records: Sequence[RunRecord], method: str, greedy: bool = True) -> MethodSummary:
+def summarize_group(records: Sequence[RunRecord], method: str, checked: bool = True) -> MethodSummary:
     """One method over one group of prompts; plain's records of the same prompts are the baseline.
     The speedup is the ratio of tokens per second, which is plain's wall time over the method's
     wherever the method emits plain's tokens (Spec-Bench's definition) and stays fair where the
-    answers differ in length (llama.cpp, sampled runs). A sampled run (`greedy` False) has no
-    token-wise losslessness: its outputs follow the target's distribution, not plain's tokens."""
+    answers differ in length (llama.cpp, sampled runs). `checked`: the method's outputs must repeat
+    its reference's tokens (greedy, or sampled with draws keyed by position, `token_checked`);
+    otherwise it has no token-wise losslessness: its outputs follow the target's distribution."""
     plain = {r.question_id: r for r in records if r.method == PLAIN_METHOD}
     runs = [r for r in records if r.method == method and r.question_id in plain]
     ref = {r.question_id: r for r in records if r.method == reference_method(method)}
@@ -42,7 +43,7 @@ def summarize_group(records: Sequence[RunRecord], method: str, greedy: bool = Tr
         mat=num_new / num_steps if runs and None not in steps and num_steps > 0 else None,
         tokens_per_s=num_new / wall_s if wall_s > 0 else None,
         lossless=(all(r.question_id in ref and r.token_ids == ref[r.question_id].token_ids for r in runs)
-                  if greedy else None),
+                  if checked else None),
         ttft_s=sum(r.ttft_s or 0.0 for r in runs) / len(runs) if timed else None,
         itl_s=decode_s / after_first if timed and after_first > 0 else None,
         decode_speedup=(plain_decode_s / decode_s if timed and decode_s > 0
@@ -53,10 +54,12 @@ def summarize_group(records: Sequence[RunRecord], method: str, greedy: bool = Tr
     )
 
 
-def summarize(records: Sequence[RunRecord], greedy: bool = True) -> dict[str, dict[str, MethodSummary]]:
-    """{category (in order of appearance), then OVERALL: {method: MethodSummary}}."""
+def summarize(records: Sequence[RunRecord], checked: Callable[[str], bool] = lambda method: True,
+              ) -> dict[str, dict[str, MethodSummary]]:
+    """{category (in order of appearance), then OVERALL: {method: MethodSummary}}; `checked`:
+    which methods' outputs must repeat their reference's tokens (summarize_group)."""
     methods = list(dict.fromkeys(r.method for r in records))
     categories = list(dict.fromkeys(r.category for r in records))
     groups = {c: [r for r in records if r.category == c] for c in categories}
     groups[OVERALL] = list(records)
-    return {name: {m: summarize_group(group, m, greedy) for m in methods} for name, group in groups.items()}
+    return {name: {m: summarize_group(group, m, checked(m)) for m in methods} for name, group in groups.items()}

@@ -202,38 +202,57 @@ def test_cli_bench_sends_each_prompt_its_prediction(tmp_path: Path, tiny_config:
 
 
 def test_cli_bench_sampled(tmp_path: Path, tiny_config: EngineConfig, capsys: pytest.CaptureFixture[str]) -> None:
-    """--temperature: every method samples with one seed per prompt; a rerun draws the same tokens;
-    no token-wise losslessness is claimed; greedy-only peers and levels are refused by name."""
+    """--temperature: every method samples with one seed per prompt; a rerun draws the same tokens.
+    With draws keyed by position (the default) our methods give plain sampling's tokens and are
+    checked as greedy runs are (transformers' sampler is not); with draws taken in turn (rejection
+    sampling) no token-wise losslessness is claimed. Greedy-only peers and levels are refused by name."""
     from router.cli import main
 
-    config = tmp_path / "engine.yaml"
+    config, stream_config = tmp_path / "engine.yaml", tmp_path / "stream.yaml"
     config.write_text(yaml.safe_dump(tiny_config.model_dump(mode="json")))
+    stream_config.write_text(yaml.safe_dump({**tiny_config.model_dump(mode="json"), "seeded_draws": "stream"}))
     prompts = write_questions(tmp_path / "q.jsonl")
-    common = ["bench", "--prompts", str(prompts), "--per-category", "2", "--max-tokens", "12", "--config", str(config),
+    common = ["bench", "--prompts", str(prompts), "--per-category", "2", "--max-tokens", "12",
               "--warmup", "0", "--no-verify-curve", "--methods", "plain,self,router,hf"]
     runs = {}
     for name, extra in (("a", ["--temperature", "1.0", "--seed", "7"]), ("b", ["--temperature", "1.0", "--seed", "7"]),
                         ("c", ["--temperature", "1.0", "--seed", "8"]), ("greedy", [])):
-        assert main([*common, *extra, "--out", str(tmp_path / name)]) == 0
+        assert main([*common, "--config", str(config), *extra, "--out", str(tmp_path / name)]) == 0
         runs[name] = json.loads((tmp_path / name / "results.json").read_text())
-    sampled = runs["a"]
-    assert sampled["sampling"] == {"temperature": 1.0, "top_p": 1.0, "seed": 7}
-    assert runs["greedy"]["sampling"]["temperature"] == 0.0
+    for name in ("s", "s2"):
+        assert main([*common, "--config", str(stream_config), "--temperature", "1.0", "--seed", "7",
+                     "--out", str(tmp_path / name)]) == 0
+        runs[name] = json.loads((tmp_path / name / "results.json").read_text())
+    sampled, streamed = runs["a"], runs["s"]
+    assert sampled["sampling"] == {"temperature": 1.0, "top_p": 1.0, "seed": 7, "draws": "position"}
+    assert streamed["sampling"]["draws"] == "stream" and runs["greedy"]["sampling"]["temperature"] == 0.0
 
     def tokens(results: dict) -> dict:
         return {(r["question_id"], r["method"]): r["token_ids"] for r in results["runs"]}
 
-    assert tokens(runs["a"]) == tokens(runs["b"])  # seeded: the run repeats exactly, the router's draws too
+    for a, b in (("a", "b"), ("s", "s2")):  # seeded: the run repeats exactly, the router's draws too
+        assert tokens(runs[a]) == tokens(runs[b])
     assert tokens(runs["a"]) != tokens(runs["c"])
     # sampled, not greedy: the random tiny target's samples leave its argmax path
     assert any(tokens(runs["a"])[key] != ids for key, ids in tokens(runs["greedy"]).items() if key[1] == "plain")
-    # the target drafting for itself accepts every draft under sampling too (p = q)
-    self_runs = [r for r in sampled["runs"] if r["method"] == "self"]
-    assert sum(r["num_accepted_tokens"] for r in self_runs) == sum(r["num_draft_tokens"] for r in self_runs) > 0
-    assert all(s["lossless"] is None for s in sampled["summary"][OVERALL].values()) and sampled["mismatches"] == []
-    report = (tmp_path / "a" / "report.md").read_text()
-    assert "sampled at temperature 1" in report and "| n/a |" in report and "this run sampled" in report
 
+    # draws keyed by position: every method of ours repeats plain sampling's tokens, checked
+    plain = {q: ids for (q, m), ids in tokens(sampled).items() if m == "plain"}
+    assert all(ids == plain[q] for (q, m), ids in tokens(sampled).items() if m in ("self", "router"))
+    assert {m: s["lossless"] for m, s in sampled["summary"][OVERALL].items()} == \
+           {"plain": True, "self": True, "router": True, "hf": None}
+    assert sampled["mismatches"] == []
+    report = (tmp_path / "a" / "report.md").read_text()
+    assert "| yes |" in report and "| n/a |" in report and "equals plain sampling's with the same seed" in report
+
+    # draws in turn: the target drafting for itself accepts every draft (rejection sampling, p = q)
+    self_runs = [r for r in streamed["runs"] if r["method"] == "self"]
+    assert sum(r["num_accepted_tokens"] for r in self_runs) == sum(r["num_draft_tokens"] for r in self_runs) > 0
+    assert all(s["lossless"] is None for s in streamed["summary"][OVERALL].values()) and streamed["mismatches"] == []
+    report = (tmp_path / "s" / "report.md").read_text()
+    assert "sampled at temperature 1" in report and "| n/a |" in report and "Not checked token by token" in report
+
+    common = [*common[:-2], "--config", str(config), *common[-2:]]  # --methods last
     assert main([*common[:-1], "plain,llama-cpp", "--temperature", "0.7", "--out", str(tmp_path / "bad")]) == 2
     assert "'llama-cpp' runs greedy only" in capsys.readouterr().err
     assert main([*common, "--temperature", "-1", "--out", str(tmp_path / "bad")]) == 2
@@ -370,25 +389,31 @@ def test_cli_bench_under_concurrency_sampled(tmp_path: Path, tiny_config: Engine
     """Sampled load: each request draws from its own seed, so plain decoding one sequence a forward
     reproduces every request's single-request sample, and batched plain decoding does where the
     target computes a row alike in any batch (not this float32 one: a draw at a token boundary may
-    differ); a drafting method's outputs are only distributed as plain's and are not compared."""
+    differ). A drafting method's outputs are compared too where seeded draws are keyed by position
+    (the default); under draws taken in turn they are only distributed as plain's, not compared."""
     from router.cli import main
 
     config = tmp_path / "engine.yaml"
     config.write_text(yaml.safe_dump(tiny_config.model_dump(mode="json")))
     prompts = write_questions(tmp_path / "q.jsonl")
     runs = {}
-    for name, seed in (("a", "3"), ("b", "4")):
+    stream_config = tmp_path / "stream.yaml"
+    stream_config.write_text(yaml.safe_dump({**tiny_config.model_dump(mode="json"), "seeded_draws": "stream"}))
+    for name, seed, engine_config in (("a", "3", config), ("b", "4", config), ("s", "3", stream_config)):
         out = tmp_path / name
         assert main(["bench", "--prompts", str(prompts), "--per-category", "2", "--max-tokens", "8",
-                     "--config", str(config), "--warmup", "0", "--methods", "ngram,plain-serial", "--concurrency", "3",
-                     "--temperature", "1.0", "--seed", seed, "--out", str(out)]) == 0
+                     "--config", str(engine_config), "--warmup", "0", "--methods", "ngram,plain-serial",
+                     "--concurrency", "3", "--temperature", "1.0", "--seed", seed, "--out", str(out)]) == 0
         runs[name] = json.loads((out / "results.json").read_text())
     level = runs["a"]["summary"]["concurrency"]["3"]
     assert level["plain-serial"]["num_mismatches"] == 0 and level["plain"]["num_mismatches"] is not None
-    assert level["ngram"]["num_mismatches"] is None and level["ngram"]["tokens_per_s"] > 0
-    assert runs["a"]["sampling"] == {"temperature": 1.0, "top_p": 1.0, "seed": 3}
+    assert level["ngram"]["num_mismatches"] is not None and level["ngram"]["tokens_per_s"] > 0
+    assert runs["a"]["sampling"] == {"temperature": 1.0, "top_p": 1.0, "seed": 3, "draws": "position"}
     report = (tmp_path / "a" / "report.md").read_text()
-    assert "sampled at temperature 1" in report and "| 3 | ngram |" in report and report.count("| - |") == 2
+    assert "sampled at temperature 1" in report and "| 3 | ngram |" in report and report.count("| - |") == 1
+    level = runs["s"]["summary"]["concurrency"]["3"]
+    assert level["ngram"]["num_mismatches"] is None and level["plain-serial"]["num_mismatches"] == 0
+    assert (tmp_path / "s" / "report.md").read_text().count("| - |") == 2
 
 
 def test_verify_curve_keeps_each_k_fastest_forward(monkeypatch: pytest.MonkeyPatch, tiny_engine) -> None:
