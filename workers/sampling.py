@@ -205,13 +205,12 @@ class PositionDraws:
     output is the one plain sampling with the seed gives, under any drafter, routing and batch,
     wherever the target scores a row alike in any call (int4, bfloat16; see workers/models/quant.py).
 
-    u(seed, t) is the t-th output of splitmix64 from the scrambled seed, so draws behave as independent
-    uniforms, and each token is an exact draw from the target's distribution given the tokens
-    before it.
-    A deterministic draft token x is accepted with probability p(x), as rejection sampling accepts
-    it; a drafter that would draw from its own q proposes its likeliest token instead (measured on
-    Spec-Bench at temperature 0.7: p(argmax q) 85% of the sum min(p, q) rejection sampling accepts,
-    an inverse-CDF draw of q at the same u 75%)."""
+    u(seed, t) is the t-th output of splitmix64 from the scrambled seed, so the draws behave as
+    independent uniforms and each token is an exact draw from the target's distribution given the
+    tokens before it. A deterministic draft token x is accepted with probability p(x), as rejection
+    sampling accepts it; a drafter that would draw from its own q proposes its likeliest token
+    instead (measured on Spec-Bench at temperature 0.7: p(argmax q) 85% of the sum min(p, q)
+    rejection sampling accepts, an inverse-CDF draw of q at the same u 75%)."""
 
     seed: int
 
