@@ -35,7 +35,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from bench.llama_server import SERVER_MODES, LlamaServer
-from bench.methods import TrafficMemories
+from bench.methods import TrafficMemories, token_checked
 from bench.prompts import BenchPrompt
 from workers.batch import BatchEngine
 from workers.config import PLAIN
@@ -161,10 +161,9 @@ def run_levels(
 
 
 def _compared(method: str, params: SamplingParams, engine: SpecEngine) -> bool:
-    """Whether a method's outputs are compared with each request's plain output alone: greedy,
-    plain sampling, or any method of ours where seeded draws are keyed by position."""
-    return method not in SERVER_MODES and (params.greedy or method in PLAIN_METHODS
-                                           or engine.config.seeded_draws == "position")
+    """Whether a method's outputs are compared with each request's plain output alone: where they
+    must repeat its tokens (`token_checked`), and plain decoding's always."""
+    return method not in SERVER_MODES and (method in PLAIN_METHODS or token_checked(method, params, engine.config))
 
 
 def _run(engine: SpecEngine, router: Router | None, requests: Sequence[Request], params: SamplingParams, c: int,
