@@ -415,7 +415,7 @@ def test_drawn_verification_of_a_tree_follows_the_child_drawn() -> None:
         first, draft = int(sample_at(rows[0], u[0])), torch.tensor([0, 1, 3])
         result = verify_drawn(rows, draft, u, tree)
         assert result.token_ids[0] == first
-        if first == 0:  # node a: then c's row (row 2, after a) is drawn at depth 1
+        if first == 0:  # node a: then a's row (row 1) is drawn at depth 1, c kept where it draws 3
             second = int(sample_at(rows[1], u[1]))
             assert result.path[:1] == (0,) and result.token_ids[1] == second
             hits += second == 3
