@@ -312,9 +312,9 @@ class EngineConfig(_Strict):
         "position", description="a sampled request with a `seed`: position: each token's draw is keyed by the seed "
                                 "and its position, so the output is plain sampling's with that seed under any "
                                 "drafter, routing and batch on int4 and bfloat16 weights (drafts verified by "
-                                "exact match; model drafters "
-                                "propose their likeliest tokens); stream: draws taken in turn from a stream the "
-                                "seed starts, with rejection sampling (model drafters' drawn drafts accepted "
+                                "exact match; model drafters propose their likeliest tokens); stream: draws "
+                                "taken in turn from a stream the seed starts, with rejection sampling (model "
+                                "drafters' drawn drafts accepted "
                                 "~15% more often on Spec-Bench at 0.7; the output repeats only under the same "
                                 "drafter schedule)")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")

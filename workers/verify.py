@@ -34,6 +34,7 @@ attention call of its own, its keys where a chain's would be.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,13 +93,22 @@ def verify_tree_greedy(
 ) -> VerifyResult:
     """target_logits: [n + 1, vocab], row 0 after the root, row i + 1 after node i; draft_ids: [n]."""
     target_ids = greedy_ids(target_logits).tolist()
-    draft = draft_ids.tolist()
+    return _follow(draft_ids.tolist(), tree, lambda node, depth: target_ids[node + 1])
+
+
+def _follow(draft: list[int], tree: DraftTree, target_token: Callable[[int, int], int]) -> VerifyResult:
+    """The exact-match walk from the root: at each node, the child whose token is the target's
+    there (`target_token(node, depth)`: the token the row after `node` gives, node -1 the root),
+    until none is; then that token ends the step."""
     path: list[int] = []
     node = -1
-    while (nxt := next((c for c in tree.children(node) if draft[c] == target_ids[node + 1]), None)) is not None:
+    while True:
+        token = target_token(node, len(path))
+        nxt = next((c for c in tree.children(node) if draft[c] == token), None)
+        if nxt is None:
+            return VerifyResult(len(path), [draft[i] for i in path] + [token], tuple(path))
         path.append(nxt)
         node = nxt
-    return VerifyResult(len(path), [draft[i] for i in path] + [target_ids[node + 1]], tuple(path))
 
 
 def verify_tree_sampled(
@@ -136,13 +146,6 @@ def verify_drawn(
     draws of the positions the step's rows predict, the root's row first (PositionDraws). Only the
     rows on the accepted path are drawn."""
     draft = draft_ids.tolist()
-    shape = tree or DraftTree.chain(len(draft))
-    path: list[int] = []
-    node = -1
-    while True:
-        drawn = int(sample_at(target_probs[node + 1], uniforms[len(path)]))
-        nxt = next((c for c in shape.children(node) if draft[c] == drawn), None)
-        if nxt is None:
-            return VerifyResult(len(path), [draft[i] for i in path] + [drawn], tuple(path) if tree is not None else ())
-        path.append(nxt)
-        node = nxt
+    result = _follow(draft, tree or DraftTree.chain(len(draft)),
+                     lambda node, depth: int(sample_at(target_probs[node + 1], uniforms[depth])))
+    return result if tree is not None else VerifyResult(result.num_accepted, result.token_ids)
