@@ -13,6 +13,12 @@ confidence separates "the target's choice is a near tie" from "the drafter does 
 `--split heldout` (default) takes Spec-Bench's held-out questions (question_id % 5 == 0), `train`
 the others: the train split's greedy answers are in the shipped drafters' corpora, so the gap
 between the two is how much a drafter recalls rather than generalises.
+
+`--temperature T` asks the same of sampled answers (sampled at T, seed 0), where a draft is
+accepted by chance: per position, what rejection sampling accepts of a draw from the drafter's q
+(sum min(p, q)), what exact match on keyed draws accepts of its likeliest token (p(argmax q)),
+and how often a race of q, and of q ** RACE_POWER, on `--seeds` seeds' keyed draws picks the
+target's own draw there (workers/sampling.py PositionDraws, workers/drafters/base.py draft_tokens).
 """
 
 from __future__ import annotations
@@ -27,12 +33,12 @@ import torch
 from bench.prompts import BenchPrompt, load_prompts
 from policies.classifier import CATEGORY_TO_DOMAIN
 from training.corpus import HELDOUT_MOD
-from workers.drafters.base import Drafter, token_ids_of
+from workers.drafters.base import RACE_POWER, Drafter, full_vocab_probs, token_ids_of
 from workers.drafters.eagle import EagleDrafter
 from workers.drafters.medusa import MedusaDrafter
 from workers.drafters.model import ModelDrafter
 from workers.engine import SpecEngine
-from workers.sampling import SamplingParams
+from workers.sampling import PositionDraws, SamplingParams, probs_from_logits
 
 SUPPORTED = (EagleDrafter, MedusaDrafter, ModelDrafter)  # the kinds with a model to teacher force
 CONFIDENT = 0.8  # the target's top probability above which a position counts as confident
@@ -112,6 +118,82 @@ def measure(engine: SpecEngine, drafters: Sequence[str], prompts: Sequence[Bench
     return table
 
 
+@dataclass
+class SampledAgreement:
+    """Sums over answer positions of a sampled answer: each a probability that a draft is accepted."""
+
+    positions: int = 0
+    overlap: float = 0.0  # sum min(p, q): rejection sampling of a draw from q
+    likeliest: float = 0.0  # p(argmax q): exact match of q's likeliest token
+    raced: dict[int, float] = field(default_factory=lambda: dict.fromkeys(RACE_POWERS, 0.0))  # by power of q
+
+    def add(self, other: SampledAgreement) -> None:
+        self.positions += other.positions
+        self.overlap += other.overlap
+        self.likeliest += other.likeliest
+        for power, v in other.raced.items():
+            self.raced[power] += v
+
+
+RACE_POWERS = tuple(sorted({1, RACE_POWER}))  # q as it is, and as model drafters race it
+
+
+def sampled_agreement(engine: SpecEngine, drafter: Drafter, prompt_ids: list[int], answer: list[int],
+                      params: SamplingParams, seeds: int) -> SampledAgreement:
+    """Over the answer's positions (as `position_hits`), with the sampling settings applied to
+    both distributions."""
+    target = engine.target.model
+    ids = torch.tensor(prompt_ids + answer, dtype=torch.long, device=target.device)
+    with torch.inference_mode():
+        out = target.forward(ids, target.new_cache(ids.shape[0]), return_hidden=True)
+        logits, columns = next_next_logits(drafter, ids, out.hidden)
+    first = len(prompt_ids) - 2  # row t guesses ids[t + 2]; the target's row t + 1 predicts it too
+    p = probs_from_logits(out.logits[first + 1 : -1].float(), params).cpu()
+    q = probs_from_logits(logits[first : ids.shape[0] - 2].float(), params).cpu()
+    q = full_vocab_probs(q, None if columns is None else columns.cpu(), p.shape[-1])
+    stats = SampledAgreement(positions=p.shape[0], overlap=float(torch.minimum(p, q).sum()),
+                             likeliest=float(p.gather(-1, q.argmax(-1, keepdim=True)).sum()))
+    draws = [PositionDraws(seed) for seed in range(seeds)]
+    for row, (p_row, q_row) in enumerate(zip(p, q)):
+        position = len(prompt_ids) + row
+        drawn = [d.draw(p_row, position) for d in draws]
+        for power in RACE_POWERS:
+            raced = q_row**power
+            stats.raced[power] += sum(d.draw(raced, position) == t for d, t in zip(draws, drawn)) / seeds
+    return stats
+
+
+def measure_sampled(engine: SpecEngine, drafters: Sequence[str], prompts: Sequence[BenchPrompt], max_tokens: int,
+                    temperature: float, seeds: int) -> dict[str, dict[str, SampledAgreement]]:
+    """{drafter: {domain: SampledAgreement}} over the target's answers to `prompts` sampled at
+    `temperature` (prompt i with seed i)."""
+    table: dict[str, dict[str, SampledAgreement]] = {name: {} for name in drafters}
+    for i, p in enumerate(prompts):
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i)
+        prompt_ids = engine.encode(p.text)
+        answer = engine.generate(prompt_ids, params).token_ids
+        domain = CATEGORY_TO_DOMAIN.get(p.category, p.category)
+        for name in drafters:
+            stats = sampled_agreement(engine, engine.drafters[name], prompt_ids, answer, params, seeds)
+            table[name].setdefault(domain, SampledAgreement()).add(stats)
+    return table
+
+
+def render_sampled(table: dict[str, dict[str, SampledAgreement]]) -> str:
+    races = " | ".join("race q" if power == 1 else f"race q^{power}" for power in RACE_POWERS)
+    lines = [f"| drafter | domain | positions | sum min(p, q) | p(argmax q) | {races} |",
+             "|---|---|---:|---:|---:|" + "---:|" * len(RACE_POWERS)]
+    for name, domains in table.items():
+        total = SampledAgreement()
+        for a in domains.values():
+            total.add(a)
+        for domain, a in [*domains.items(), ("all", total)]:
+            n = max(1, a.positions)
+            rates = [a.overlap / n, a.likeliest / n, *(a.raced[power] / n for power in RACE_POWERS)]
+            lines.append(f"| {name} | {domain} | {a.positions} | " + " | ".join(f"{r:.3f}" for r in rates) + " |")
+    return "\n".join(lines)
+
+
 def render(table: dict[str, dict[str, Agreement]]) -> str:
     lines = ["| drafter | domain | positions | top-1 | top-4 | top-10 | target confident | top-1 there | elsewhere |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -134,18 +216,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompts", type=Path, required=True, help="Spec-Bench-format questions")
     parser.add_argument("--per-category", type=int, default=2)
     parser.add_argument("--split", choices=("heldout", "train"), default="heldout")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens of each greedy answer")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens of each answer")
+    parser.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled answers (see above)")
+    parser.add_argument("--seeds", type=int, default=16, help="keyed draws' seeds a sampled position's races run")
     args = parser.parse_args(argv)
     engine = SpecEngine.from_config(load_engine_config(args.config))
     names = [n.strip() for n in args.drafters.split(",") if n.strip()]
     if unknown := [n for n in names if n not in engine.drafters]:
         parser.error(f"--drafters: {', '.join(unknown)} not in {args.config} (has {', '.join(engine.drafters)})")
-    if args.per_category <= 0 or args.max_tokens <= 0:
-        parser.error("--per-category and --max-tokens must be positive")
+    if args.per_category <= 0 or args.max_tokens <= 0 or args.seeds <= 0:
+        parser.error("--per-category, --max-tokens and --seeds must be positive")
+    if args.temperature < 0:
+        parser.error("--temperature must be >= 0")
     if no_model := [n for n in names if not isinstance(engine.drafters[n], SUPPORTED)]:
         parser.error(f"--drafters: {', '.join(no_model)} has no model to teacher force (kinds eagle, medusa, model)")
     prompts = load_prompts(args.prompts, args.per_category, heldout_mod=HELDOUT_MOD, train_split=args.split == "train")
-    print(render(measure(engine, names, prompts, args.max_tokens)))
+    if args.temperature > 0:
+        print(render_sampled(measure_sampled(engine, names, prompts, args.max_tokens, args.temperature, args.seeds)))
+    else:
+        print(render(measure(engine, names, prompts, args.max_tokens)))
     return 0
 
 

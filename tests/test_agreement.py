@@ -9,9 +9,10 @@ import pytest
 import yaml
 from helpers import chain_accepts, write_eagle, write_medusa_heads
 
-from bench.agreement import main, measure, position_hits
+from bench.agreement import main, measure, measure_sampled, position_hits, render_sampled
 from bench.prompts import load_prompts
 from workers.config import EagleDrafterConfig, EngineConfig, MedusaDrafterConfig
+from workers.drafters.base import RACE_POWER
 from workers.engine import SpecEngine
 from workers.sampling import SamplingParams
 
@@ -74,3 +75,21 @@ def test_cli_refuses_drafters_without_a_model(engine: SpecEngine, tmp_path: Path
                  "--max-tokens", "4"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("| drafter | domain |") and "| other | chat |" in printed
+
+
+def test_sampled_agreement_of_the_target_with_itself_is_certain(engine: SpecEngine) -> None:
+    """A drafter equal to the target, on sampled answers: sum min(p, q) is 1 and its race of q
+    picks the target's draw at every seed and position (the same race); squaring q, or taking
+    its likeliest token, can only lose. A random drafter agrees less than it overlaps."""
+    prompts = load_prompts(SPEC_BENCH, 1, ["coding", "writing"], heldout_mod=5)
+    table = measure_sampled(engine, ["self", "other"], prompts, max_tokens=8, temperature=0.9, seeds=4)
+    assert set(table["self"]) == {"code", "chat"}
+    for a in table["self"].values():
+        assert 0 < a.positions <= 8
+        assert a.overlap == pytest.approx(a.positions, rel=1e-5) and a.raced[1] == a.positions
+        assert a.likeliest <= a.positions + 1e-5 and a.raced[RACE_POWER] <= a.positions
+    for a in table["other"].values():
+        assert a.overlap < a.positions and a.raced[1] <= a.positions
+    printed = render_sampled(table)
+    assert printed.startswith("| drafter | domain | positions | sum min(p, q) | p(argmax q) | race q | race q^2 |")
+    assert "| self | all |" in printed

@@ -208,6 +208,23 @@ def test_int4_seeded_sampling_gives_plain_sampling_output_under_any_drafter_alon
     gen.close()
 
 
+def test_eagle_racing_the_keyed_draws_gives_plain_sampling_output(row_invariant_engine: SpecEngine, spec_bench) -> None:
+    """EAGLE drafts by racing its own distribution on the request's keyed draws (open chat, where
+    prompt lookup has little to copy): its output is plain sampling's with the seed, and it is
+    accepted."""
+    engine = row_invariant_engine
+    if isinstance(engine.target.model.lm_head, llama.Linear):
+        pytest.skip("a float32 lm_head's kernel changes a row's last bits with the call's rows here")
+    params = SamplingParams(max_tokens=40, temperature=0.7, seed=5)
+    accepted = 0
+    for q in spec_bench("writing", 1) + spec_bench("qa", 1):
+        ids = engine.encode(q["turns"][0])
+        raced = engine.generate(ids, params, "eagle", 3)
+        assert raced.token_ids == engine.generate(ids, params).token_ids
+        accepted += raced.num_accepted_tokens
+    assert accepted > 0
+
+
 def test_int4_logprobs_of_a_drafted_request_are_its_plain_requests(
     int4_engine: SpecEngine, int4_prompts: list[list[int]],
 ) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from workers.drafters.base import RACE_POWER, DraftContext, draft_tokens
 from workers.sampling import PositionDraws, SamplingParams, make_generator, probs_from_logits, sample_at, sample_ids
 
 
@@ -227,20 +228,80 @@ def test_sample_ids_keeps_leading_dims_repeats_with_its_seed_and_refuses_rows_wi
             sample_ids(bad, make_generator(3))
 
 
-def test_position_draws_are_fixed_per_seed_and_position_and_uniform() -> None:
-    """A seed's draw at a position is the same whichever span asks for it; other seeds differ;
-    over many positions the draws are uniform on [0, 1) (chi-square over 20 bins)."""
+def test_position_draws_are_fixed_per_seed_and_position() -> None:
+    """A seed's draw at a position is the same however often it is asked; other seeds and
+    positions draw otherwise; any int seed works."""
+    probs = torch.softmax(torch.randn(49_152, generator=torch.Generator().manual_seed(0)), dim=-1)
     draws = PositionDraws(7)
-    whole = draws.uniforms(0, 64)
-    assert whole.dtype == torch.float64 and whole.shape == (64,)
-    assert torch.equal(draws.uniforms(40, 8), whole[40:48])
-    assert not torch.equal(PositionDraws(8).uniforms(0, 64), whole)
-    assert torch.equal(PositionDraws(-3).uniforms(0, 4), PositionDraws(-3).uniforms(0, 4))  # any int seed
-    grid = torch.stack([PositionDraws(s).uniforms(0, 64) for s in range(64)])  # seed x position, small ints
-    assert grid.unique().numel() == grid.numel() and bool((grid > 0).all())
-    u = torch.cat([PositionDraws(s).uniforms(0, 500) for s in range(20)]).numpy()
-    assert ((u >= 0) & (u < 1)).all()
-    assert chisquare(np.histogram(u, bins=20, range=(0, 1))[0]).pvalue > 1e-4
+    tokens = [draws.draw(probs, t) for t in range(32)]
+    assert tokens == [draws.draw(probs, t) for t in range(32)]
+    assert len(set(tokens)) > 16  # a flat row: the positions draw independently
+    assert [PositionDraws(8).draw(probs, t) for t in range(32)] != tokens
+    assert PositionDraws(-3).draw(probs, 0) == PositionDraws(-3).draw(probs, 0)
+    for bad in (torch.zeros(4), torch.tensor([0.5, float("nan"), 0.5])):
+        with pytest.raises(ValueError, match="mass"):
+            draws.draw(bad, 0)
+
+
+@pytest.mark.parametrize("row", [
+    [0.5, 0.3, 0.0, 0.2],  # every token in the head
+    [0.6, 0.3995, 0.0002, 0.0002, 0.0001, 0.0, 0.0],  # three tokens in the tail
+    [3.0, 1.0, 0.0, 0.004, 0.001],  # unnormalised
+    [1e-4] * 5000 + [0.5],  # the tail holds half the mass, 5,000 tokens, one beside the head's
+], ids=["head", "tail", "unnormalised", "heavy-tail"])
+def test_position_draws_sample_the_row(row: list[float]) -> None:
+    """Over many seeds (and positions) the draws follow the row's probabilities: chi-square over
+    its tokens (the heavy tail pooled), zero-probability tokens never drawn. A grid of small seeds
+    by small positions counts too, where a weak hash would correlate them."""
+    probs = torch.tensor(row, dtype=torch.float32)
+    p = np.asarray(row) / sum(row)
+    tokens = np.array([PositionDraws(seed).draw(probs, t) for seed in range(100) for t in range(40)])
+    assert not np.isin(tokens, np.flatnonzero(p == 0)).any()
+    counts = np.bincount(tokens, minlength=len(p)).astype(float)
+    if len(p) > 100:  # the tail pooled, its first token apart: a rare one must not be skipped
+        counts, p = np.array([counts[0], counts[1:-1].sum(), counts[-1]]), np.array([p[0], p[1:-1].sum(), p[-1]])
+    kept = p > 0
+    assert chisquare(counts[kept], p[kept] * len(tokens)).pvalue > 1e-4
+
+
+def test_a_drafter_racing_on_the_same_draws_draws_the_targets_token() -> None:
+    """A drafter's draw on the same keyed exponentials is coupled to the target's: with q = p it
+    is the target's token at every seed; with q near p at least as often as the coupling's bound,
+    overlap / (2 - overlap), and far more often than the target draws q's likeliest token."""
+    p = torch.tensor([0.45, 0.35, 0.15, 0.05])
+    q = torch.tensor([0.35, 0.45, 0.12, 0.08])
+    near = likeliest = 0
+    n = 2000
+    for seed in range(n):
+        draws = PositionDraws(seed)
+        target = draws.draw(p, 3)
+        assert draws.draw(p.clone(), 3) == target
+        near += draws.draw(q, 3) == target
+        likeliest += target == 1  # q's likeliest token
+    overlap = float(torch.minimum(p, q).sum())  # 0.87: what rejection sampling accepts
+    assert near / n > overlap / (2 - overlap) - 0.03 and near / n > likeliest / n + 0.3
+
+
+def test_a_model_drafters_tokens_race_its_sharpened_distribution_on_the_keyed_draws() -> None:
+    """`draft_tokens`: greedy takes the argmax; with keyed draws each row is the draw of q ** 2
+    (over the whole vocabulary, the draft vocabulary's ids mapped) at its own position, with no
+    q returned; without, a draw of q, returned for rejection sampling."""
+    logits = torch.randn(3, 5, generator=torch.Generator().manual_seed(4))
+    vocab_ids = torch.tensor([10, 2, 7, 3, 0])  # draft row -> the target's token id
+    params = SamplingParams(temperature=0.8, seed=9)
+    draws = PositionDraws(9)
+    greedy = DraftContext([1, 2], SamplingParams(), make_generator(0), 16)
+    tokens, q = draft_tokens(logits, greedy, 2, vocab_ids, 12)
+    assert tokens.tolist() == vocab_ids[logits.argmax(-1)].tolist() and q is None
+    raced = DraftContext([1, 2], params, make_generator(9), 16, draws=draws)
+    tokens, q = draft_tokens(logits, raced, 2, vocab_ids, 12)
+    full = torch.zeros(3, 12)
+    full[:, vocab_ids] = probs_from_logits(logits, params) ** RACE_POWER
+    assert tokens.tolist() == [draws.draw(full[i], 2 + i) for i in range(3)] and q is None
+    assert set(tokens.tolist()) <= set(vocab_ids.tolist())
+    drawn = DraftContext([1, 2], params, make_generator(9), 16)
+    tokens, q = draft_tokens(logits, drawn, 2, vocab_ids, 12)
+    assert q is not None and q.shape == (3, 12) and bool((q[torch.arange(3), tokens] > 0).all())
 
 
 def test_sample_at_inverts_the_cumulative_mass() -> None:

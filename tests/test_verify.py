@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from workers.sampling import PositionDraws, greedy_ids, sample_at
+from workers.sampling import PositionDraws, greedy_ids
 from workers.tree import DraftTree
 from workers.verify import VerifyResult, verify_drawn, verify_greedy, verify_sampled
 
@@ -395,10 +395,10 @@ def test_drawn_verification_emits_the_draws_plain_sampling_makes() -> None:
     draft token equals it, the first mismatch is replaced by it, and all-accepted adds the bonus."""
     target = torch.tensor(TARGET, dtype=torch.float32)
     for seed in range(200):
-        u = PositionDraws(seed).uniforms(0, 4)
-        plain = [int(sample_at(target[i], u[i])) for i in range(4)]
+        draws = PositionDraws(seed)
+        plain = [draws.draw(target[i], i) for i in range(4)]
         for draft in ([0, 1, 0], plain[:3], [plain[0], 5, plain[2]], [3, 3, 3], []):
-            result = verify_drawn(target[: len(draft) + 1], torch.tensor(draft, dtype=torch.long), u)
+            result = verify_drawn(target[: len(draft) + 1], torch.tensor(draft, dtype=torch.long), draws, 0)
             n = result.num_accepted
             assert draft[:n] == plain[:n] and (n == len(draft) or draft[n] != plain[n])
             assert result.token_ids == plain[: n + 1]
@@ -411,16 +411,16 @@ def test_drawn_verification_of_a_tree_follows_the_child_drawn() -> None:
     rows = target[[0, 1, 2, 3]]
     hits = 0
     for seed in range(300):
-        u = PositionDraws(seed).uniforms(10, 3)
-        first, draft = int(sample_at(rows[0], u[0])), torch.tensor([0, 1, 3])
-        result = verify_drawn(rows, draft, u, tree)
+        draws = PositionDraws(seed)
+        first, draft = draws.draw(rows[0], 10), torch.tensor([0, 1, 3])
+        result = verify_drawn(rows, draft, draws, 10, tree)
         assert result.token_ids[0] == first
         if first == 0:  # node a: then a's row (row 1) is drawn at depth 1, c kept where it draws 3
-            second = int(sample_at(rows[1], u[1]))
+            second = draws.draw(rows[1], 11)
             assert result.path[:1] == (0,) and result.token_ids[1] == second
             hits += second == 3
         elif first == 1:  # node b, a leaf: the bonus comes from b's row
-            assert result.path == (1,) and result.token_ids == [1, int(sample_at(rows[2], u[1]))]
+            assert result.path == (1,) and result.token_ids == [1, draws.draw(rows[2], 11)]
         else:
             assert result.path == () and result.num_accepted == 0
     assert hits > 0  # the path through c was taken
@@ -431,6 +431,5 @@ def test_drawn_verification_accepts_a_deterministic_token_with_its_target_probab
     as rejection sampling accepts a one-hot q."""
     target = torch.tensor(TARGET, dtype=torch.float32)
     n = 4000
-    accepted = sum(verify_drawn(target[:2], torch.tensor([0]), PositionDraws(s).uniforms(5, 2)).num_accepted
-                   for s in range(n))
+    accepted = sum(verify_drawn(target[:2], torch.tensor([0]), PositionDraws(s), 5).num_accepted for s in range(n))
     assert abs(accepted / n - 0.40) < 4 * np.sqrt(0.4 * 0.6 / n)

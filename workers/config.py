@@ -309,13 +309,13 @@ class EngineConfig(_Strict):
         default_factory=lambda: [NgramDrafterConfig(), PredictionDrafterConfig(), GrammarDrafterConfig()])
     max_draft_len: int = Field(MAX_DRAFT_LEN, ge=1, description="upper bound on k for any drafter")
     seeded_draws: Literal["position", "stream"] = Field(
-        "position", description="a sampled request with a `seed`: position: each token's draw is keyed by the seed "
-                                "and its position, so the output is plain sampling's with that seed under any "
-                                "drafter, routing and batch on int4 and bfloat16 weights (drafts verified by "
-                                "exact match; model drafters propose their likeliest tokens); stream: draws "
-                                "taken in turn from a stream the seed starts, with rejection sampling (model "
-                                "drafters' drawn drafts accepted "
-                                "~15% more often on Spec-Bench at 0.7; the output repeats only under the same "
+        "position", description="a sampled request with a `seed`: position: each token is drawn by a race of "
+                                "exponentials keyed by the seed, its position and the token, so the output is "
+                                "plain sampling's with that seed under any drafter, routing and batch on int4 and "
+                                "bfloat16 weights (drafts verified by exact match; model drafters race their own "
+                                "distributions on the same draws); stream: draws taken in turn from a stream the "
+                                "seed starts, with rejection sampling (model drafters' drawn drafts accepted "
+                                "4-9% more often on Spec-Bench at 0.7; the output repeats only under the same "
                                 "drafter schedule)")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
     log_stats_interval_s: float = Field(

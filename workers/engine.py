@@ -129,7 +129,7 @@ class Generation:
         # a guided step masks a chain's rows (_guided), so its drafters draft chains
         self.ctx = DraftContext(list(prompt_ids), params, make_generator(params.seed, self.device), max_len,
                                 num_prompt=len(prompt_ids), domain=domain, cache_salt=cache_salt,
-                                exact_tree=self.guide is None, guide=self.guide, exact_match=self.draws is not None)
+                                exact_tree=self.guide is None, guide=self.guide, draws=self.draws)
         self.with_hidden = engine.needs_hidden_states
         if self.with_hidden:
             dtype = getattr(self.model, "dtype", torch.float32)
@@ -494,8 +494,7 @@ class Generation:
             return verify_greedy(logits, draft_ids) if tree is None else verify_tree_greedy(logits, draft_ids, tree)
         probs = probs_from_logits(logits, self.params)
         if self.draws is not None:  # the rows predict positions len(token_ids) onwards, one per depth
-            depth = draft_ids.shape[0] if tree is None else tree.depth
-            return verify_drawn(probs, draft_ids, self.draws.uniforms(len(self.ctx.token_ids), depth + 1), tree)
+            return verify_drawn(probs, draft_ids, self.draws, len(self.ctx.token_ids), tree)
         if tree is not None:
             return verify_tree_sampled(probs, draft_ids, tree, self.ctx.generator)
         return verify_sampled(probs, draft_ids, draft_probs, self.ctx.generator)

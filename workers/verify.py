@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.sampling import greedy_ids, sample_at, sample_ids
+from workers.sampling import PositionDraws, greedy_ids, sample_ids
 from workers.tree import DraftTree
 
 
@@ -139,13 +139,14 @@ def verify_tree_sampled(
 
 
 def verify_drawn(
-    target_probs: torch.Tensor, draft_ids: torch.Tensor, uniforms: torch.Tensor, tree: DraftTree | None = None,
+    target_probs: torch.Tensor, draft_ids: torch.Tensor, draws: PositionDraws, start: int,
+    tree: DraftTree | None = None,
 ) -> VerifyResult:
     """target_probs: [n + 1, vocab] with the request's sampling settings applied, rows as in
-    verify_tree_greedy (a chain: row i after draft position i - 1); uniforms [depth + 1]: the
-    draws of the positions the step's rows predict, the root's row first (PositionDraws). Only the
-    rows on the accepted path are drawn."""
+    verify_tree_greedy (a chain: row i after draft position i - 1); the root's row predicts
+    position `start`, a row at depth d position start + d, drawn there by `draws`. Only the rows
+    on the accepted path are drawn."""
     draft = draft_ids.tolist()
     result = _follow(draft, tree or DraftTree.chain(len(draft)),
-                     lambda node, depth: int(sample_at(target_probs[node + 1], uniforms[depth])))
+                     lambda node, depth: draws.draw(target_probs[node + 1], start + depth))
     return result if tree is not None else VerifyResult(result.num_accepted, result.token_ids)

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from workers.drafters.base import Draft, DraftContext, DraftRequest, full_vocab_probs, token_ids_of
+from workers.drafters.base import Draft, DraftContext, DraftRequest, draft_tokens, token_ids_of
 from workers.drafters.checkpoint import CheckpointError, missing_weights, read_config, write_config
 from workers.models.base import TargetView
-from workers.sampling import greedy_ids, log_probs, probs_from_logits, sample_ids
+from workers.sampling import log_probs
 from workers.tree import TreeGrowth, grow_tree
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.safetensors")
@@ -290,7 +290,9 @@ class EagleDrafter:
             logits = torch.stack([features[b] for b in rows]) @ self.head_t  # [B, draft_vocab]
             fed = []
             for b, row in zip(rows, logits):
-                token, p = self._sample(row[None], requests[b].ctx)
+                ctx = requests[b].ctx
+                tokens, p = draft_tokens(row[None], ctx, len(ctx.token_ids) + i, self.vocab_ids, self.vocab_size)
+                token = int(tokens[0])
                 drafted[b].append(token)
                 if p is not None:
                     probs[b].append(p)
@@ -335,15 +337,6 @@ class EagleDrafter:
             self.cos[positions], self.sin[positions], [s.cache for s, _, _ in pairs], lengths,
         )
         return [out[end - 1] for end in itertools.accumulate(lengths)]
-
-    def _sample(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[int, torch.Tensor | None]:
-        """The next draft token from logits [1, draft_vocab], and its distribution over the whole
-        vocabulary when sampled."""
-        if ctx.likeliest:
-            return int(token_ids_of(greedy_ids(logits[0]), self.vocab_ids)), None
-        p = probs_from_logits(logits, ctx.params)
-        row = sample_ids(p[0], ctx.generator)
-        return int(token_ids_of(row, self.vocab_ids)), full_vocab_probs(p, self.vocab_ids, self.vocab_size)
 
     @staticmethod
     def _draft(drafted: list[int], probs: list[torch.Tensor]) -> Draft:

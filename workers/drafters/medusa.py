@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from workers.drafters.base import Draft, DraftContext, DraftRequest, full_vocab_probs, token_ids_of
+from workers.drafters.base import Draft, DraftContext, DraftRequest, draft_tokens, token_ids_of
 from workers.drafters.checkpoint import CheckpointError, missing_weights, read_config, write_config
-from workers.sampling import greedy_ids, log_probs, probs_from_logits, sample_ids
+from workers.sampling import log_probs
 from workers.tree import grow_tree
 
 WEIGHT_FILE = "medusa_lm_head.safetensors"
@@ -185,13 +185,8 @@ class MedusaDrafter:
                                          tree.nodes)
             tree_rows = torch.tensor(rows_list, dtype=torch.long, device=logits.device)
             return Draft(token_ids_of(tree_rows, self.vocab_ids), tree=shape)
-        if ctx.likeliest:
-            rows, probs = greedy_ids(logits), None
-        else:
-            q = probs_from_logits(logits, ctx.params)
-            rows = sample_ids(q, ctx.generator)
-            probs = full_vocab_probs(q, self.vocab_ids, self.vocab_size)
-        return Draft(token_ids_of(rows, self.vocab_ids).to(torch.long), probs)
+        tokens, probs = draft_tokens(logits, ctx, len(ctx.token_ids), self.vocab_ids, self.vocab_size)
+        return Draft(tokens.to(torch.long), probs)
 
     def commit(self, state: None, ctx: DraftContext, num_new: int, num_accepted: int) -> None:
         pass

@@ -19,9 +19,9 @@ from typing import ClassVar
 import torch
 
 from workers.config import MAX_DRAFT_LEN, ModelDrafterConfig
-from workers.drafters.base import Draft, DraftContext, DraftRequest, full_vocab_probs, token_ids_of
+from workers.drafters.base import Draft, DraftContext, DraftRequest, draft_tokens, token_ids_of
 from workers.models.base import BatchedLM, CausalLM, ForwardOutput, KVCache, KVPoolLike, SeqInput, forward_each
-from workers.sampling import greedy_ids, log_probs, probs_from_logits, sample_ids
+from workers.sampling import log_probs
 from workers.tree import TreeGrowth, grow_tree
 
 
@@ -101,7 +101,8 @@ class ModelDrafter:
                 r = requests[b]
                 if i >= r.k:  # k = 0: caught up only
                     continue
-                token, p = self._sample(out.logits[-1:], r.ctx)
+                token, p = draft_tokens(out.logits[-1:], r.ctx, len(r.ctx.token_ids) + i, self.vocab_ids,
+                                        self.model.info.vocab_size)
                 tokens[b].append(token)
                 if p is not None:
                     probs[b].append(p)
@@ -118,15 +119,6 @@ class ModelDrafter:
         pending = torch.tensor(ctx.token_ids[state.num_cached :], dtype=torch.long, device=self.model.device)
         state.num_cached = len(ctx.token_ids)
         return pending
-
-    def _sample(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The next draft token [1] from logits [1, vocab'], and its distribution over the whole
-        vocabulary when sampled."""
-        if ctx.likeliest:
-            return token_ids_of(greedy_ids(logits[0]).view(1), self.vocab_ids), None
-        p = probs_from_logits(logits, ctx.params)  # [1, vocab']
-        row = sample_ids(p, ctx.generator)  # [1]
-        return token_ids_of(row, self.vocab_ids), full_vocab_probs(p, self.vocab_ids, self.model.info.vocab_size)
 
     def _draft(self, token_ids: list[torch.Tensor], probs: list[torch.Tensor]) -> Draft:
         if not token_ids:

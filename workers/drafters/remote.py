@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from workers.drafters.base import Draft, DraftContext, Drafter
-from workers.sampling import SamplingParams
+from workers.sampling import PositionDraws, SamplingParams
 from workers.tree import DraftTree
 
 MAX_SESSIONS = 1024  # per drafter replica; a session whose `end` was lost is evicted, oldest first
@@ -39,7 +39,7 @@ class DraftCall:
     seq: int  # draft calls of this session before this one
     commit: tuple[int, int] | None = None  # (num_new, num_accepted) of the previous call's step
     exact_tree: bool = True  # DraftContext.exact_tree of the request
-    exact_match: bool = False  # DraftContext.exact_match of the request
+    exact_match: bool = False  # the request's draws are keyed by position (DraftContext.draws, from params.seed)
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,8 @@ class RemoteDrafter:
 
     def propose(self, state: RemoteState, ctx: DraftContext, k: int) -> Draft:
         reply = self.service.draft(DraftCall(state.session, list(ctx.token_ids), k, ctx.params, ctx.max_len,
-                                             self.vocab_size, state.seq, state.commit, ctx.exact_tree, ctx.exact_match))
+                                             self.vocab_size, state.seq, state.commit, ctx.exact_tree,
+                                             ctx.draws is not None))
         state.seq += 1
         state.commit = None
         ids = torch.tensor(reply.token_ids, dtype=torch.long)
@@ -145,8 +146,9 @@ class DraftSessions:
             generator.manual_seed(call.params.seed)
         else:
             generator.seed()
+        draws = PositionDraws(call.params.seed) if call.exact_match and call.params.seed is not None else None
         ctx = DraftContext(list(call.token_ids), call.params, generator, call.max_len, exact_tree=call.exact_tree,
-                           exact_match=call.exact_match)
+                           draws=draws)
         session = _Session(self.drafter.begin(ctx), ctx, call.seq)
         self.sessions[call.session] = session
         while len(self.sessions) > self.max_sessions:

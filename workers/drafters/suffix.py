@@ -186,7 +186,7 @@ class SuffixDrafter:
     def propose(self, state: SuffixState, ctx: DraftContext, k: int) -> Draft:
         cfg = self.config
         tree = ctx.tree_shape(cfg.tree)
-        if tree is None and self.vocab_size is not None and cfg.sample_drafts and not ctx.likeliest:
+        if tree is None and self.vocab_size is not None and cfg.sample_drafts and not ctx.exact_match:
             best = self._proposal(state, ctx, k, lambda m, depth: dataclasses.replace(
                 draw(m, depth, cfg.min_token_prob, ctx.generator),
                 likeliest=grow(m, depth, cfg.min_token_prob).token_ids))
