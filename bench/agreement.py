@@ -14,11 +14,12 @@ confidence separates "the target's choice is a near tie" from "the drafter does 
 the others: the train split's greedy answers are in the shipped drafters' corpora, so the gap
 between the two is how much a drafter recalls rather than generalises.
 
-`--temperature T` asks the same of sampled answers (sampled at T, seed 0), where a draft is
-accepted by chance: per position, what rejection sampling accepts of a draw from the drafter's q
-(sum min(p, q)), what exact match on keyed draws accepts of its likeliest token (p(argmax q)),
-and how often a race of q, and of q ** RACE_POWER, on `--seeds` seeds' keyed draws picks the
-target's own draw there (workers/sampling.py PositionDraws, workers/drafters/base.py draft_tokens).
+`--temperature T` asks the same of sampled answers (prompt i sampled at T with seed i), where a
+draft is accepted by chance: per position, what rejection sampling accepts of a draw from the
+drafter's q (sum min(p, q)), what exact match on keyed draws accepts of its likeliest token
+(p(argmax q)), and how often a race of q, and of q ** RACE_POWER, on `--seeds` seeds' keyed draws
+picks the target's own draw there (workers/sampling.py PositionDraws, workers/drafters/base.py
+draft_tokens).
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ def measure(engine: SpecEngine, drafters: Sequence[str], prompts: Sequence[Bench
     return table
 
 
+RACE_POWERS = tuple(sorted({1, RACE_POWER}))  # q as it is, and as model drafters race it
+
+
 @dataclass
 class SampledAgreement:
     """Sums over answer positions of a sampled answer: each a probability that a draft is accepted."""
@@ -133,9 +137,6 @@ class SampledAgreement:
         self.likeliest += other.likeliest
         for power, v in other.raced.items():
             self.raced[power] += v
-
-
-RACE_POWERS = tuple(sorted({1, RACE_POWER}))  # q as it is, and as model drafters race it
 
 
 def sampled_agreement(engine: SpecEngine, drafter: Drafter, prompt_ids: list[int], answer: list[int],
