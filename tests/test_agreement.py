@@ -80,7 +80,7 @@ def test_cli_refuses_drafters_without_a_model(engine: SpecEngine, tmp_path: Path
 def test_sampled_agreement_of_the_target_with_itself_is_certain(engine: SpecEngine) -> None:
     """A drafter equal to the target, on sampled answers: sum min(p, q) is 1 and its race of q
     picks the target's draw at every seed and position (the same race); squaring q, or taking
-    its likeliest token, can only lose. A random drafter agrees less than it overlaps."""
+    its likeliest token, can only lose. A random drafter does not overlap fully."""
     prompts = load_prompts(SPEC_BENCH, 1, ["coding", "writing"], heldout_mod=5)
     table = measure_sampled(engine, ["self", "other"], prompts, max_tokens=8, temperature=0.9, seeds=4)
     assert set(table["self"]) == {"code", "chat"}

@@ -247,7 +247,7 @@ def test_position_draws_are_fixed_per_seed_and_position() -> None:
     [0.5, 0.3, 0.0, 0.2],  # every token in the head
     [0.6, 0.3995, 0.0002, 0.0002, 0.0001, 0.0, 0.0],  # three tokens in the tail
     [3.0, 1.0, 0.0, 0.004, 0.001],  # unnormalised
-    [1e-4] * 5000 + [0.5],  # the tail holds half the mass, 5,000 tokens, one beside the head's
+    [1e-4] * 5000 + [0.5],  # half the mass in a tail of 5,000 tokens, half on one token
 ], ids=["head", "tail", "unnormalised", "heavy-tail"])
 def test_position_draws_sample_the_row(row: list[float]) -> None:
     """Over many seeds (and positions) the draws follow the row's probabilities: chi-square over
