@@ -91,6 +91,24 @@ def test_remote_sampled_output_follows_target_distribution(
     assert 0 < sum(r.num_accepted_tokens for r in results) < 600
 
 
+def test_a_remote_drafter_races_a_seeded_requests_keyed_draws_as_a_local_one(
+    tiny_engine: SpecEngine, perturbed_drafter: ModelDrafter,  # noqa: F811
+) -> None:
+    """The call carries that the request's draws are keyed (from its seed): the replica races the
+    same draws, so the remote drafter proposes, and has accepted, what the local one does."""
+    engine = remote_engine(tiny_engine, perturbed_drafter, CountingService(perturbed_drafter))
+    params = SamplingParams(max_tokens=24, temperature=0.9, seed=11)
+    accepted = 0
+    for text in TEXTS:
+        prompt = engine.encode(text)
+        local = engine.generate(prompt, params, "local", 3)
+        remote = engine.generate(prompt, params, "remote", 3)
+        assert remote.token_ids == local.token_ids
+        assert remote.accepted_per_position == local.accepted_per_position
+        accepted += remote.num_accepted_tokens
+    assert accepted > 0
+
+
 def test_a_failing_remote_degrades_to_plain(tiny_engine: SpecEngine, perturbed_drafter: ModelDrafter) -> None:  # noqa: F811
     class DeadService(CountingService):
         def draft(self, call: DraftCall) -> DraftReply:

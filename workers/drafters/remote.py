@@ -39,7 +39,7 @@ class DraftCall:
     seq: int  # draft calls of this session before this one
     commit: tuple[int, int] | None = None  # (num_new, num_accepted) of the previous call's step
     exact_tree: bool = True  # DraftContext.exact_tree of the request
-    exact_match: bool = False  # the request's draws are keyed by position (DraftContext.draws, from params.seed)
+    keyed_draws: bool = False  # the request's draws are keyed by position (DraftContext.draws, from params.seed)
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class DraftSessions:
             generator.manual_seed(call.params.seed)
         else:
             generator.seed()
-        draws = PositionDraws(call.params.seed) if call.exact_match and call.params.seed is not None else None
+        draws = PositionDraws(call.params.seed) if call.keyed_draws and call.params.seed is not None else None
         ctx = DraftContext(list(call.token_ids), call.params, generator, call.max_len, exact_tree=call.exact_tree,
                            draws=draws)
         session = _Session(self.drafter.begin(ctx), ctx, call.seq)
