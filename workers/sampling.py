@@ -193,16 +193,10 @@ _HEAD_SHARE = 1e-3
 _TAIL_RACE, _TAIL_PICK, _FIRST_TOKEN = 0, 1, 2
 
 
-def _mix64(x: int) -> int:
-    """splitmix64's finaliser: a bijection of 64-bit words whose outputs of neighbouring inputs
-    look independent (Steele et al. 2014)."""
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
-    return x ^ (x >> 31)
-
-
-def _mix64_array(x: np.ndarray) -> np.ndarray:
-    """`_mix64` over uint64 words (numpy's unsigned arithmetic wraps modulo 2**64)."""
+def _mix64(x: np.ndarray | np.uint64) -> np.ndarray | np.uint64:
+    """splitmix64's finaliser over uint64 words (call under np.errstate(over="ignore"): the
+    products wrap modulo 2**64): a bijection whose outputs of neighbouring inputs look independent
+    (Steele et al. 2014)."""
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
@@ -235,9 +229,10 @@ class PositionDraws:
     seed: int
 
     def _words(self, position: int, slots: np.ndarray) -> np.ndarray:
-        row = _mix64((_mix64(self.seed & _MASK64) + (position + 1) * _GOLDEN) & _MASK64)
+        golden = np.uint64(_GOLDEN)
         with np.errstate(over="ignore"):
-            return _mix64_array(np.uint64(row) + (slots.astype(np.uint64) + np.uint64(1)) * np.uint64(_GOLDEN))
+            row = _mix64(_mix64(np.uint64(self.seed & _MASK64)) + np.uint64(position + 1) * golden)
+            return _mix64(row + (slots.astype(np.uint64) + np.uint64(1)) * golden)
 
     def draw(self, probs: torch.Tensor, position: int) -> int:
         """The token at `position` of a row of probabilities [vocab] (non-negative; normalised or
