@@ -214,7 +214,7 @@ class LookaheadDrafterConfig(_Strict):
     # the defaults: the fastest of the shapes measured on a CPU (docs/benchmarks.md); a GPU takes more
     window: int = Field(2, ge=1, le=32, description="W: future positions the lookahead branch guesses per step")
     ngram: int = Field(3, ge=2, le=8, description="N: the n-grams the branch collects (N - 1 Jacobi levels kept)")
-    guesses: int = Field(2, ge=0, le=32, description="G: n-grams verified per step (and kept per first token)")
+    guesses: int = Field(1, ge=0, le=32, description="G: n-grams verified per step (and kept per first token)")
     pool_from_prompt: bool = Field(True, description="also fill the pool with the prompt's own n-grams")
     pool_from_traffic: str | None = Field(
         None, description="a suffix drafter's name: each step also guesses its likeliest continuation, read from "
