@@ -18,7 +18,15 @@ from typing import Any
 
 from router.run_batch import DEFAULT_CONCURRENCY
 from router.serve import ServeError
-from workers.config import DEFAULT_TARGET_MODEL, PLAIN, ConfigError, RoutingConfig, load_engine_config
+from workers.config import (
+    AUTO,
+    DEFAULT_TARGET_MODEL,
+    PLAIN,
+    ConfigError,
+    EngineConfig,
+    RoutingConfig,
+    load_engine_config,
+)
 from workers.result import Logprob, RequestError
 from workers.text_stream import stream_delta
 
@@ -103,20 +111,30 @@ class _Printout:
         print(text[len(self.sent) :] if text.startswith(self.sent) else f"\n{text}", flush=True)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from policies.schema import PolicyError
-    from policies.stats import MemoryStats
-    from workers.engine import SpecEngine
-    from workers.reasoning import prompt_reasoning_start, reasoning_tokens, split_output
-    from workers.routing import Router, Speculation
-    from workers.routing import generate as route
-    from workers.sampling import SamplingParams
-    from workers.target import ModelLoadError
+def _check_speculation(config: EngineConfig, drafter: str, draft_len: int | None) -> None:
+    """--drafter and --draft-len against the config, as the router checks a request's."""
+    names = [d.name for d in config.drafters]
+    if drafter not in (AUTO, PLAIN, *names):
+        raise CLIError(f"--drafter: unknown drafter {drafter!r}; configured: {', '.join([AUTO, PLAIN, *names])}")
+    if draft_len is not None and draft_len > config.max_draft_len:
+        raise CLIError(f"--draft-len: draft_len {draft_len} is outside [1, {config.max_draft_len}] (max_draft_len)")
 
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from policies.schema import PolicyError, load_policy
+
+    # what the files and flags alone decide is refused before torch and the model load (seconds)
     if not args.prompt.strip():
         raise CLIError("--prompt is empty")
     config = load_engine_config(args.config)
     routing = routing_config(args.policy)
+    try:
+        load_policy(routing.policy_path())
+    except PolicyError as e:
+        raise CLIError(str(e)) from None
+    _check_speculation(config, args.drafter, args.draft_len)
+    from workers.sampling import SamplingParams  # torch, not yet the model stack
+
     penalties = {name: value for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
                  if (value := getattr(args, name)) is not None}
     try:
@@ -130,6 +148,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise CLIError(str(e)) from None
+
+    from policies.stats import MemoryStats
+    from workers.engine import SpecEngine
+    from workers.reasoning import prompt_reasoning_start, reasoning_tokens, split_output
+    from workers.routing import Router, Speculation
+    from workers.routing import generate as route
+    from workers.target import ModelLoadError
+
     try:
         engine = SpecEngine.from_config(config)
         # one request: a measured cost curve would cost more than it could save

