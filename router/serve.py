@@ -49,8 +49,13 @@ def _build(app_config: dict[str, Any]) -> Any:
     """The Application named by import_path: a builder called with args, or an Application."""
     from ray.serve import Application
 
-    module_name, _, attr = app_config["import_path"].replace(":", ".").rpartition(".")
-    target = getattr(importlib.import_module(module_name), attr)
+    import_path = app_config["import_path"]
+    module_name, _, attr = import_path.replace(":", ".").rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"application import_path {import_path!r}: {e} (SpecRoute's is "
+                          "router.app:build_app)") from None
     if isinstance(target, Application):
         return target
     try:

@@ -1,4 +1,5 @@
-"""`specroute generate` as a user runs it: a subprocess on the real target."""
+"""`specroute generate` as a user runs it: a subprocess on the real target; and what `specroute
+serve` refuses before Ray starts."""
 
 from __future__ import annotations
 
@@ -204,3 +205,19 @@ def test_generate_with_a_bad_policy_file(tmp_path: Path) -> None:
     assert_user_error(proc, "domains.chat.k_max", "99")
     proc = specroute("generate", "--prompt", PROMPT, "--policy", str(tmp_path / "missing.yaml"))
     assert_user_error(proc, "--policy", "missing.yaml")
+
+
+@pytest.mark.parametrize(("app", "needles"), [
+    ({"import_path": "router.app:build"}, ["import_path", "router.app:build", "router.app:build_app"]),
+    ({"import_path": "nowhere.app:build_app"}, ["import_path", "nowhere"]),
+    ({"import_path": "router.app:build_app", "args": {"engine": {"target": {"max_model_len": -5}}}},
+     ["engine.target.max_model_len", "-5"]),
+    ({"import_path": "router.app:build_app", "args": {"engine": {"drafters": [{"kind": "ngram", "typo": 1}]}}},
+     ["typo"]),
+])
+def test_serve_refuses_a_bad_application_naming_the_field(tmp_path: Path, app: dict, needles: list[str]) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({"applications": [{"name": "specroute", "route_prefix": "/", **app}]}))
+    proc = specroute("serve", "--config", str(config), "--port", "8765", timeout=60)
+    assert proc.returncode == 2
+    assert_user_error(proc, *needles)
