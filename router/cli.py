@@ -210,20 +210,22 @@ def _logprob_json(entry: Logprob) -> dict[str, Any]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    _existing_file(args.prompts, "--prompts")  # the files and flags first: the imports take seconds
+    methods = _comma_list(args.methods, "--methods")
+    config, routing = load_engine_config(args.config), routing_config(args.policy)
+    concurrency = _levels(args.concurrency) if args.concurrency is not None else None
+
     from bench.llama_cpp import llama_cpp_dir
     from bench.runner import BenchArgs, run_bench
     from policies.schema import PolicyError
     from workers.target import ModelLoadError
 
-    _existing_file(args.prompts, "--prompts")
-    methods = _comma_list(args.methods, "--methods")
     bench_args = BenchArgs(
         prompts=args.prompts, per_category=args.per_category, max_tokens=args.max_tokens,
-        methods=methods, out=args.out, config=load_engine_config(args.config),
+        methods=methods, out=args.out, config=config,
         categories=args.categories.split(",") if args.categories else None,
         warmup=args.warmup, verify_curve=not args.no_verify_curve, command=" ".join(sys.argv),
-        routing=routing_config(args.policy), heldout_mod=args.heldout_mod,
-        concurrency=_levels(args.concurrency) if args.concurrency is not None else None,
+        routing=routing, heldout_mod=args.heldout_mod, concurrency=concurrency,
         file_order=args.order == "file", prime=args.prime, llama_cpp=llama_cpp_dir(args.llama_cpp),
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, rounds=args.rounds,
     )
