@@ -237,12 +237,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from bench.load import LoadArgs, long_prompt_text, run_load, write_load_report
-    from bench.prompts import load_prompts
-
     _existing_file(args.prompts, "--prompts")
     modes = _comma_list(args.speculation, "--speculation")
     levels = _levels(args.clients, "--clients")
+    from bench.load import LoadArgs, long_prompt_text, run_load, write_load_report  # torch: seconds
+    from bench.prompts import load_prompts
+
     try:
         prompts = load_prompts(args.prompts, args.per_category, None, args.heldout_mod)
     except ValueError as e:
@@ -386,13 +386,13 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 
 def cmd_gen_answers(args: argparse.Namespace) -> int:
-    from training.answers import check_sampling, generate_answers, read_prompts
+    for path in args.prompts:
+        _existing_file(path, "--prompts")
+    from training.answers import check_sampling, generate_answers, read_prompts  # torch: seconds
     from training.corpus import CorpusError
     from workers.config import ModelConfig
     from workers.target import ModelLoadError, load_hf
 
-    for path in args.prompts:
-        _existing_file(path, "--prompts")
     try:
         check_sampling(args.temperature, args.samples)  # before the model loads
         rows, skipped = read_prompts(args.prompts, args.heldout_mod, args.limit)
