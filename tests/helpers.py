@@ -287,11 +287,11 @@ def assert_same_or_tie(engine: Any, prompt: list[int], got: list[int], expected:
 
 
 def compact_target_engine(weights: str) -> SpecEngine:
-    """The shipped target in `weights`, prompt lookup and lookahead decoding (its draft trees), a
-    batch of 3 with small prefill chunks."""
+    """The shipped target in `weights`, prompt lookup and lookahead decoding with two guesses (draft
+    trees that branch), a batch of 3 with small prefill chunks."""
     return SpecEngine.from_config(EngineConfig(
         target=TargetConfig(weights=weights, max_model_len=1024),
-        drafters=[NgramDrafterConfig(), LookaheadDrafterConfig()],
+        drafters=[NgramDrafterConfig(), LookaheadDrafterConfig(guesses=2)],
         scheduler={"max_num_seqs": 3, "max_num_batched_tokens": 64},
     ))
 
