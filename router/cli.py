@@ -19,12 +19,11 @@ from typing import Any
 from router.run_batch import DEFAULT_CONCURRENCY
 from router.serve import ServeError
 from workers.config import (
-    AUTO,
     DEFAULT_TARGET_MODEL,
     PLAIN,
     ConfigError,
-    EngineConfig,
     RoutingConfig,
+    check_speculation,
     load_engine_config,
 )
 from workers.result import Logprob, RequestError
@@ -111,15 +110,6 @@ class _Printout:
         print(text[len(self.sent) :] if text.startswith(self.sent) else f"\n{text}", flush=True)
 
 
-def _check_speculation(config: EngineConfig, drafter: str, draft_len: int | None) -> None:
-    """--drafter and --draft-len against the config, as the router checks a request's."""
-    names = [d.name for d in config.drafters]
-    if drafter not in (AUTO, PLAIN, *names):
-        raise CLIError(f"--drafter: unknown drafter {drafter!r}; configured: {', '.join([AUTO, PLAIN, *names])}")
-    if draft_len is not None and draft_len > config.max_draft_len:
-        raise CLIError(f"--draft-len: draft_len {draft_len} is outside [1, {config.max_draft_len}] (max_draft_len)")
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from policies.schema import PolicyError, load_policy
 
@@ -132,7 +122,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         load_policy(routing.policy_path())
     except PolicyError as e:
         raise CLIError(str(e)) from None
-    _check_speculation(config, args.drafter, args.draft_len)
+    try:  # as the router checks a request's, against the config's drafters
+        check_speculation(args.drafter, args.draft_len, [d.name for d in config.drafters], config.max_draft_len)
+    except RequestError as e:
+        raise CLIError(f"--{e.param.removeprefix('speculation.').replace('_', '-')}: {e}") from None
     from workers.sampling import SamplingParams  # torch, not yet the model stack
 
     penalties = {name: value for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")

