@@ -282,6 +282,21 @@ def test_a_drafter_racing_on_the_same_draws_draws_the_targets_token() -> None:
     assert near / n > overlap / (2 - overlap) - 0.03 and near / n > likeliest / n + 0.3
 
 
+def test_a_race_among_a_few_tokens_is_the_draw_of_their_row() -> None:
+    """`race` of a few tokens at their weights picks what `draw` picks from a vocabulary row that
+    holds those weights alone, at every seed and position."""
+    tokens, weights = [40, 3, 17], [5.0, 3.0, 1.0]  # counts, unnormalised
+    row = torch.zeros(64)
+    row[tokens] = torch.tensor(weights)
+    picks = []
+    for seed in range(50):
+        draws = PositionDraws(seed)
+        for t in range(20):
+            picks.append(draws.race(tokens, weights, t))
+            assert picks[-1] == draws.draw(row, t)
+    assert set(picks) == set(tokens)
+
+
 def test_a_model_drafters_tokens_race_its_sharpened_distribution_on_the_keyed_draws() -> None:
     """`draft_tokens`: greedy takes the argmax; with keyed draws each row is the draw of q ** 2
     (over the whole vocabulary, the draft vocabulary's ids mapped) at its own position, with no

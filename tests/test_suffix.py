@@ -14,7 +14,7 @@ from workers.drafters.base import DraftContext
 from workers.drafters.ngram import NgramDrafter
 from workers.drafters.suffix import SuffixCaches, SuffixDrafter
 from workers.drafters.token_index import SEPARATOR, TokenIndex
-from workers.sampling import SamplingParams, make_generator
+from workers.sampling import PositionDraws, SamplingParams, make_generator
 
 
 def ctx(ids: list[int], domain: str | None = None, num_prompt: int = 0) -> DraftContext:
@@ -125,6 +125,30 @@ def test_a_sampled_request_draws_its_chain_from_the_continuations_frequencies() 
     assert fixed.propose(fixed.begin(c), c, 8).probs is None
 
 
+def test_a_seeded_request_races_its_chain_on_the_draws_the_target_draws_with() -> None:
+    """With keyed draws each drafted token is the race of the continuations' counts at its
+    position (the exponentials the target's own draw there races on), so a seed's draft is the
+    same every time, 3 about two times in three over seeds; no q rides along (the step matches
+    the draws exactly) and the shadow is the draft itself. Without `sample_drafts`: the likeliest."""
+    ids = [5, 1, 2, 3, 6, 1, 2, 3, 7, 1, 2, 9, 8, 1, 2]
+    drafter = SuffixDrafter(SuffixDrafterConfig(max_spec_factor=1.0, sample_drafts=True), vocab_size=16)
+    fixed = SuffixDrafter(SuffixDrafterConfig(max_spec_factor=1.0), vocab_size=16)
+    params = SamplingParams(temperature=0.7)
+    firsts = []
+    for seed in range(600):
+        draws = PositionDraws(seed)
+        c = DraftContext(list(ids), params, make_generator(seed), max_len=64, draws=draws)
+        d = drafter.propose(drafter.begin(c), c, 8)
+        assert d.probs is None and d.scored_ids == d.token_ids.tolist()
+        assert d.token_ids.tolist() == drafter.propose(drafter.begin(c), c, 8).token_ids.tolist()
+        first, second = d.token_ids.tolist()
+        assert first == draws.race([3, 9], [2, 1], len(ids))
+        assert second == (draws.race([7, 6], [1, 1], len(ids) + 1) if first == 3 else 8)
+        assert fixed.propose(fixed.begin(c), c, 8).token_ids.tolist() == [3, 7]
+        firsts.append(first)
+    assert abs(firsts.count(3) / len(firsts) - 2 / 3) < 0.06  # ~4.4 sigma
+
+
 def test_a_match_never_spans_two_requests() -> None:
     drafter = make(min_n=2)
     drafter.learn(ctx([1, 2, 3], "d"))
@@ -233,6 +257,23 @@ def test_greedy_output_is_plain_output_and_memory_is_learned(tiny_config, tree) 
     assert engine.drafters["suffix"].memory().tokens["chat"] > 0
     # the repeated requests drafted from the memory of the first round
     assert result.num_accepted_tokens > 0
+
+
+def test_seeded_sampled_output_is_plain_samplings_when_drafts_race(tiny_config) -> None:
+    """A seeded request under keyed draws (the default) whose suffix drafts race the
+    continuations' counts: every output is plain sampling's with the same seed, and the drafts
+    read from the first round's outputs are accepted."""
+    engine = suffix_engine(tiny_config, sample_drafts=True)
+    prompts = [engine.encode(f"Write the list {i} {i} {i}, then repeat it.") for i in range(3)]
+    accepted = 0
+    for prompt in prompts * 2:
+        for seed in (1, 2):  # each seed's output joins the memory the other seed's request reads
+            params = SamplingParams(max_tokens=40, temperature=0.7, seed=seed)
+            plain = engine.generate(prompt, params).token_ids
+            result = engine.generate(prompt, params, "suffix", 6, domain="chat")
+            assert result.token_ids == plain
+            accepted += result.num_accepted_tokens
+    assert accepted > 0
 
 
 @pytest.mark.parametrize("sample_drafts", [True, False])

@@ -8,7 +8,7 @@ greedy decoding and greedy drafts take `greedy_ids`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -254,6 +254,14 @@ class PositionDraws:
             if cdf[-1] > 0:  # which of its tokens: drawn by their shares
                 return min(int(np.searchsorted(cdf, units[_TAIL_PICK] * cdf[-1], side="right")), p.shape[0] - 1)
         return int(head[best])
+
+    def race(self, token_ids: Sequence[int], weights: Sequence[float], position: int) -> int:
+        """The winner at `position` of a race among `token_ids` alone at their `weights` (> 0):
+        `draw` of the distribution over those tokens, without a row of the vocabulary (a drafter's
+        few candidates), on the same keyed exponentials."""
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        units = _unit(self._words(position, tokens + _FIRST_TOKEN))
+        return int(tokens[np.argmin(-np.log(units) / np.asarray(weights, dtype=np.float64))])
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,11 @@ with `sample_drafts` its chain is drawn from the continuations' frequencies and 
 them as the draft distribution q (rejection sampling): a draft accepted with probability
 sum min(p, q) rather than the likeliest continuation's p, which pays where past outputs vary.
 A sampled output repeats a drawn draft less often (sum p q) than verification accepts it, so
-routing scores a drawn draft's shadow by its likeliest alternative (`Draft.likeliest`). Off by
-default: the drafter gains, the router over it measured no faster (docs/benchmarks.md).
+routing scores a drawn draft's shadow by its likeliest alternative (`Draft.likeliest`). A seeded
+request's step matches its draft against draws keyed by position (workers/sampling.py
+`PositionDraws`): there each token is raced by its count on the exponentials the target's own draw
+races on, coupled to it, and the draft is its own shadow. Off by default: the drafter gains, the
+router over it measured no faster (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 from workers.config import SuffixDrafterConfig
 from workers.drafters.base import Draft, DraftContext, TrafficMemory
 from workers.drafters.token_index import SEPARATOR, Match, TokenIndex
+from workers.sampling import PositionDraws
 from workers.tree import DraftTree
 
 MAX_MATCH_LENGTHS = 3  # distinct match lengths a proposal weighs (the longest ones)
@@ -90,8 +94,27 @@ def grow(
     return Proposal(tokens, tuple(parents))
 
 
-def draw(matches: Sequence[Match], depth: int, min_prob: float, generator: torch.Generator) -> Proposal:
-    """A chain drawn from the continuations of `matches`: each token sampled by its share of the
+# a drawn chain's token at a depth, from the continuations there and their counts
+Pick = Callable[[list[int], list[int], int], int]
+
+
+def sampled(generator: torch.Generator) -> Pick:
+    """Each token sampled by its count from the request's random stream."""
+    def pick(tokens: list[int], counts: list[int], at: int) -> int:
+        bounds = list(itertools.accumulate(counts))
+        u = float(torch.rand((), generator=generator, device=generator.device)) * bounds[-1]
+        return tokens[next((i for i, c in enumerate(bounds) if u < c), len(bounds) - 1)]
+    return pick
+
+
+def raced(draws: PositionDraws, start: int) -> Pick:
+    """Each token raced by its count on the request's keyed draws at its position (`start`: the
+    first drafted token's), the exponentials the target's own draw there races on."""
+    return lambda tokens, counts, at: draws.race(tokens, counts, start + at)
+
+
+def draw(matches: Sequence[Match], depth: int, min_prob: float, pick: Pick) -> Proposal:
+    """A chain drawn from the continuations of `matches`: each token `pick`ed by the counts of the
     occurrences that go on (the occurrences that continue so are kept for the next). It stops
     where the estimate along the drawn path, the product of each level's likeliest share, falls
     below `min_prob` (`grow`'s rule for its chain)."""
@@ -102,11 +125,10 @@ def draw(matches: Sequence[Match], depth: int, min_prob: float, generator: torch
         groups = continuations(live, at)
         if not groups or (prob := prob * len(next(iter(groups.values()))) / len(live)) < min_prob:
             break
-        counts = list(itertools.accumulate(len(g) for g in groups.values()))
-        u = float(torch.rand((), generator=generator, device=generator.device)) * counts[-1]
-        token = list(groups)[next((i for i, c in enumerate(counts) if u < c), len(counts) - 1)]
+        counts = [len(g) for g in groups.values()]
+        token = pick(list(groups), counts, at)
         tokens.append(token)
-        shares.append({t: len(g) / counts[-1] for t, g in groups.items()})
+        shares.append({t: c / sum(counts) for t, c in zip(groups, counts)})
         live = groups[token]
     return Proposal(tokens, tuple(range(-1, len(tokens) - 1)), tuple(shares))
 
@@ -186,10 +208,15 @@ class SuffixDrafter:
     def propose(self, state: SuffixState, ctx: DraftContext, k: int) -> Draft:
         cfg = self.config
         tree = ctx.tree_shape(cfg.tree)
-        if tree is None and self.vocab_size is not None and cfg.sample_drafts and not ctx.exact_match:
+        if tree is None and cfg.sample_drafts and ctx.draws is not None:
+            # raced on the draws the step matches it against: the race is the draft's own shadow
+            pick = raced(ctx.draws, len(ctx.token_ids))
             best = self._proposal(state, ctx, k, lambda m, depth: dataclasses.replace(
-                draw(m, depth, cfg.min_token_prob, ctx.generator),
-                likeliest=grow(m, depth, cfg.min_token_prob).token_ids))
+                draw(m, depth, cfg.min_token_prob, pick), shares=None))
+        elif tree is None and self.vocab_size is not None and cfg.sample_drafts and not ctx.exact_match:
+            pick = sampled(ctx.generator)
+            best = self._proposal(state, ctx, k, lambda m, depth: dataclasses.replace(
+                draw(m, depth, cfg.min_token_prob, pick), likeliest=grow(m, depth, cfg.min_token_prob).token_ids))
         else:
             topk, nodes = (1, None) if tree is None else (tree.topk, tree.nodes)
             best = self._proposal(state, ctx, k, lambda m, depth: grow(m, depth, cfg.min_token_prob, topk, nodes))
