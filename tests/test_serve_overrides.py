@@ -1,11 +1,16 @@
 """`specroute serve` deploys a Serve config as `serve run` / `serve deploy` do. Its own module: one
-Ray instance per process, and tests/test_serve.py keeps one up for its module."""
+Ray instance per process, and tests/test_serve.py keeps one up for its module. One application
+serves every test here, configured as a deployment would combine them: a `deployments:` override
+with the policy as user_config, priority scheduling over one KV slot, and a target with its own
+chat template and Hermes' tool-call syntax."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import requests
 import yaml
 from helpers import HERMES_TEMPLATE, serve_tiny_app
@@ -14,81 +19,87 @@ from prometheus_client.parser import text_string_to_metric_families
 from workers.config import EngineConfig
 
 MODEL = "tiny-test-model"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+    "additionalProperties": False}}}
 
 
-def test_serve_config_overrides_and_user_config_apply(tiny_config: EngineConfig, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    workdir = tmp_path_factory.mktemp("serve")
+    policy = yaml.safe_load((Path(__file__).resolve().parents[1] / "policies" / "default_policy.yaml").read_text())
+    policy["version"] = "from-user-config"
+    overrides = [{"name": "TargetWorker", "user_config": {"policy": policy}, "max_ongoing_requests": 3}]
+    (workdir / "hermes.jinja").write_text(HERMES_TEMPLATE)
+    config = tiny_config.model_copy(update={
+        "scheduler": tiny_config.scheduler.model_copy(update={"policy": "priority", "max_num_seqs": 1}),
+        "target": tiny_config.target.model_copy(update={"chat_template": str(workdir / "hermes.jinja"),
+                                                        "tool_call_parser": "hermes"}),
+    })
+    with serve_tiny_app(config, workdir, MODEL, deployments=overrides) as base_url:
+        yield base_url
+
+
+def test_serve_config_overrides_and_user_config_apply(url: str) -> None:
     """`specroute serve` deploys like `serve deploy`: a `deployments:` entry (here the policy as
     user_config, next to an option override) reaches the replicas."""
     from ray import serve
 
-    policy = yaml.safe_load((Path(__file__).resolve().parents[1] / "policies" / "default_policy.yaml").read_text())
-    policy["version"] = "from-user-config"
-    overrides = [{"name": "TargetWorker", "user_config": {"policy": policy}, "max_ongoing_requests": 3}]
-    with serve_tiny_app(tiny_config, tmp_path, MODEL, deployments=overrides) as url:
-        r = requests.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
-        assert r.status_code == 200, r.text
-        assert r.json()["speculation"]["policy_version"] == "from-user-config"
-        worker = serve.status().applications["specroute"].deployments["TargetWorker"]
-        assert worker.status == "HEALTHY"
+    r = requests.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["speculation"]["policy_version"] == "from-user-config"
+    worker = serve.status().applications["specroute"].deployments["TargetWorker"]
+    assert worker.status == "HEALTHY"
 
 
-def test_priority_policy_preempts_over_http(tiny_config: EngineConfig, tmp_path: Path) -> None:
+def test_priority_policy_preempts_over_http(url: str) -> None:
     """`scheduler.policy: priority` over HTTP: with one KV slot, a request of priority 0 sent while
     one of priority 1 streams a long answer preempts it and is answered; the preempted request
     resumes and completes, and /metrics and /v1/stats count one preemption."""
-    scheduler = tiny_config.scheduler.model_copy(update={"policy": "priority", "max_num_seqs": 1})
-    with serve_tiny_app(tiny_config.model_copy(update={"scheduler": scheduler}), tmp_path, MODEL) as url:
-        low = {"prompt": "Once upon a time", "max_tokens": 600, "ignore_eos": True, "priority": 1, "stream": True,
-               "stream_options": {"include_usage": True}, "speculation": {"drafter": "none"}}
-        with requests.post(f"{url}/v1/completions", json=low, stream=True, timeout=120) as stream:
-            events = (line[len(b"data: "):] for line in stream.iter_lines() if line.startswith(b"data: "))
-            first = json.loads(next(events))  # the low-priority request holds the slot
-            high = requests.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "ignore_eos": True},
-                                 timeout=60)
-            rest = list(events)
-        assert first["choices"][0]["text"] is not None and rest[-1] == b"[DONE]"
-        assert high.status_code == 200, high.text
-        assert high.json()["usage"]["completion_tokens"] == 4
-        assert json.loads(rest[-2])["usage"]["completion_tokens"] == 600
-        metrics = {s.name: s.value for f in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=30).text)
-                   for s in f.samples}
-        assert metrics["specroute_num_preemptions_total"] == 1
-        assert requests.get(f"{url}/v1/stats", timeout=30).json()["batching"]["num_preemptions"] == 1
+    low = {"prompt": "Once upon a time", "max_tokens": 600, "ignore_eos": True, "priority": 1, "stream": True,
+           "stream_options": {"include_usage": True}, "speculation": {"drafter": "none"}}
+    with requests.post(f"{url}/v1/completions", json=low, stream=True, timeout=120) as stream:
+        events = (line[len(b"data: "):] for line in stream.iter_lines() if line.startswith(b"data: "))
+        first = json.loads(next(events))  # the low-priority request holds the slot
+        high = requests.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "ignore_eos": True},
+                             timeout=60)
+        rest = list(events)
+    assert first["choices"][0]["text"] is not None and rest[-1] == b"[DONE]"
+    assert high.status_code == 200, high.text
+    assert high.json()["usage"]["completion_tokens"] == 4
+    assert json.loads(rest[-2])["usage"]["completion_tokens"] == 600
+    metrics = {s.name: s.value for f in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=30).text)
+               for s in f.samples}
+    assert metrics["specroute_num_preemptions_total"] == 1
+    assert requests.get(f"{url}/v1/stats", timeout=30).json()["batching"]["num_preemptions"] == 1
 
 
-def test_hermes_tool_calls_over_http(tiny_config: EngineConfig, tmp_path: Path) -> None:
+def test_hermes_tool_calls_over_http(url: str) -> None:
     """A target with its own chat template (a file) and Hermes' tool-call syntax: "required" calls
     come back parsed from <tool_call> blocks on chat and on /v1/responses, streamed alike; "auto"
     answers however the model writes, content or calls, streamed alike; the conversation goes on."""
     import openai
 
-    (tmp_path / "hermes.jinja").write_text(HERMES_TEMPLATE)
-    target = tiny_config.target.model_copy(update={"chat_template": str(tmp_path / "hermes.jinja"),
-                                                   "tool_call_parser": "hermes"})
-    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
-        "additionalProperties": False}}}
-    with serve_tiny_app(tiny_config.model_copy(update={"target": target}), tmp_path, MODEL) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-        common = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [weather],
-                  "max_tokens": 120, "temperature": 0, "parallel_tool_calls": False}
-        required = client.chat.completions.create(tool_choice="required", **common).choices[0]
-        [call] = required.message.tool_calls
-        assert required.finish_reason == "tool_calls" and call.function.name == "get_weather"
-        assert set(json.loads(call.function.arguments)) == {"city"} and required.message.content is None
-        chunks = list(client.chat.completions.create(tool_choice="required", stream=True, **common))
-        [streamed] = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls
-                      for t in c.choices[0].delta.tool_calls]
-        assert streamed.function.arguments == call.function.arguments
-        response = client.responses.create(model=MODEL, input="Weather in Paris?", tool_choice="required",
-                                           tools=[{"type": "function", **weather["function"]}], max_output_tokens=120,
-                                           temperature=0, parallel_tool_calls=False)
-        assert [(i.type, i.arguments) for i in response.output] == [("function_call", call.function.arguments)]
-        auto = client.chat.completions.create(**common).choices[0]
-        chunks = list(client.chat.completions.create(stream=True, **common))
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (auto.message.content or "")
-        assert auto.message.content or auto.message.tool_calls
-        turn = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, tools=[weather], messages=[
-            *common["messages"], {"role": "assistant", "tool_calls": [call.model_dump()]},
-            {"role": "tool", "tool_call_id": call.id, "content": "18 C"}])
-        assert turn.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    common = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER],
+              "max_tokens": 120, "temperature": 0, "parallel_tool_calls": False}
+    required = client.chat.completions.create(tool_choice="required", **common).choices[0]
+    [call] = required.message.tool_calls
+    assert required.finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"} and required.message.content is None
+    chunks = list(client.chat.completions.create(tool_choice="required", stream=True, **common))
+    [streamed] = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls
+                  for t in c.choices[0].delta.tool_calls]
+    assert streamed.function.arguments == call.function.arguments
+    response = client.responses.create(model=MODEL, input="Weather in Paris?", tool_choice="required",
+                                       tools=[{"type": "function", **WEATHER["function"]}], max_output_tokens=120,
+                                       temperature=0, parallel_tool_calls=False)
+    assert [(i.type, i.arguments) for i in response.output] == [("function_call", call.function.arguments)]
+    auto = client.chat.completions.create(**common).choices[0]
+    chunks = list(client.chat.completions.create(stream=True, **common))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (auto.message.content or "")
+    assert auto.message.content or auto.message.tool_calls
+    turn = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, tools=[WEATHER], messages=[
+        *common["messages"], {"role": "assistant", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C"}])
+    assert turn.choices[0].finish_reason in ("stop", "length", "tool_calls")
