@@ -226,7 +226,7 @@ def load_policy(text_or_path: str | Path | Mapping[str, Any]) -> Policy:
 @dataclass(frozen=True)
 class UsablePolicy:
     policy: Policy  # the domains' drafter lists cut to the engine's (and their priors)
-    ignored: tuple[str, ...]  # one line per drafter named but not configured, naming the field
+    ignored: tuple[str, ...]  # one line per drafter named but not configured, naming its fields
 
 
 def check_policy_drafters(policy: Policy, configured: set[str]) -> UsablePolicy:
@@ -236,13 +236,13 @@ def check_policy_drafters(policy: Policy, configured: set[str]) -> UsablePolicy:
     nothing it can run is refused. Plain decoding (PLAIN) is always available."""
     available = set(configured) | {PLAIN}
     shown = ", ".join(sorted(available))
-    ignored: list[str] = []
+    fields_of: dict[str, list[str]] = {}  # a drafter the engine lacks -> the fields naming it
     problems: list[str] = []
     domains: dict[str, DomainPolicy] = {}
     for domain, dp in policy.domains.items():
         missing = [name for name in dp.drafters if name not in available]
-        ignored += [f"domains.{domain}.drafters: {name!r} is not configured in the engine (configured: {shown})"
-                    for name in missing]
+        for name in missing:
+            fields_of.setdefault(name, []).append(f"domains.{domain}.drafters")
         kept = [name for name in dp.drafters if name in available]
         if not kept:
             problems.append(f"domains.{domain}.drafters: none of {dp.drafters} is configured in the engine "
@@ -252,5 +252,6 @@ def check_policy_drafters(policy: Policy, configured: set[str]) -> UsablePolicy:
         domains[domain] = dp.model_copy(update={"drafters": kept, "priors": priors}) if missing else dp
     if problems:
         raise PolicyError("; ".join(problems))
-    usable = policy.model_copy(update={"domains": domains}) if ignored else policy
-    return UsablePolicy(usable, tuple(ignored))
+    ignored = tuple(f"{', '.join(fields)}: {name!r} is not configured in the engine (configured: {shown})"
+                    for name, fields in fields_of.items())
+    return UsablePolicy(policy.model_copy(update={"domains": domains}) if ignored else policy, ignored)

@@ -200,6 +200,10 @@ def test_check_policy_drafters() -> None:
     assert usable.policy.domains["code"].drafters == ["ngram"] and usable.policy.domains["code"].priors == {"ngram": 0.5}
     assert len(usable.ignored) == 1 and usable.ignored[0].startswith("domains.code.drafters: 'eagle'")
     assert usable.policy.domains["chat"] == policy.domains["chat"]
+    # a drafter several domains name: one line naming each field
+    data["domains"]["chat"]["drafters"] = [*policy.domains["chat"].drafters, "eagle"]
+    [line] = check_policy_drafters(load_policy(data), {"ngram", *policy.domains["chat"].drafters}).ignored
+    assert line.startswith("domains.chat.drafters, domains.code.drafters: 'eagle' is not configured")  # policy order
     # a domain left with nothing to run is refused, naming it
     with pytest.raises(PolicyError) as info:
         check_policy_drafters(load_policy(with_change("domains.code.drafters", ["eagle"])), {"ngram"})
@@ -231,7 +235,9 @@ def test_cli_policy_check_drafters_option(tmp_path: Path, capsys: pytest.Capture
     # an engine without ngram still runs every domain (plain): ok, each ignored drafter named
     assert main(["policy", "check", str(DEFAULT_POLICY_PATH), "--drafters", PLAIN]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("ok: policy ") and "warning: domains.code.drafters: 'ngram' is not configured" in err
+    [warning] = [line for line in err.splitlines() if "'ngram'" in line]  # one line naming every field that names it
+    fields = warning.removeprefix("warning: ").split(": 'ngram' is not configured")[0].split(", ")
+    assert out.startswith("ok: policy ") and "domains.code.drafters" in fields and len(fields) > 1
     # a domain left with nothing the engine runs is an error
     only_ngram = tmp_path / "p.yaml"
     only_ngram.write_text(yaml.safe_dump({"version": "v", "default_domain": "a", "domains": {"a": {"drafters": ["ngram"]}}}))
