@@ -51,12 +51,13 @@ def test_generate_json_has_the_documented_fields(plain_json: dict) -> None:
 
 def test_generate_prints_the_text_as_it_is_generated(plain_json: dict) -> None:
     """Text mode prints the output as --json reports it, a stop string cut (held back while it may
-    still be one), and a newline."""
+    still be one), and a newline; stderr carries no progress bar of the model's load."""
     text = plain_json["text"]
     stop = text.strip()[4:7]
     proc = specroute("generate", "--prompt", PROMPT, "--max-tokens", "8", "--drafter", "ngram", "--stop", stop)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == text[: text.find(stop)] + "\n"
+    assert "Loading weights" not in proc.stderr  # no progress bar for a load of the converted model
 
 
 def test_generate_ngram_gives_the_same_tokens_as_plain(plain_json: dict) -> None:

@@ -18,6 +18,8 @@ import json
 import logging
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.initialization import no_init_weights
+from transformers.utils import logging as hf_logging
 
 from policies.paths import resolve_repo_path
 from workers.config import ModelConfig, TargetConfig, default_cache_dir
@@ -195,6 +198,19 @@ def _load_sharing(cfg: ModelConfig, source: Path, dtype: torch.dtype, embeddings
     return model
 
 
+@contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """transformers' progress bar off while a local model loads: the load takes milliseconds, and
+    its bar was noise on every command and replica start."""
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def load_hf(
     cfg: ModelConfig, embeddings: torch.Tensor | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Path | str]:
@@ -209,7 +225,8 @@ def load_hf(
                                      "in its config.json): load it as a drafter of that target")
             model = _load_sharing(cfg, Path(source), dtype, embeddings)
         else:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+            with _no_progress_bar():
+                model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
         tokenizer = AutoTokenizer.from_pretrained(source)
     except OSError as e:  # offline and not cached, or not a model
         raise ModelLoadError(f"model {cfg.model!r}: {e}") from None
