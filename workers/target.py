@@ -200,8 +200,8 @@ def _load_sharing(cfg: ModelConfig, source: Path, dtype: torch.dtype, embeddings
 
 @contextmanager
 def _no_progress_bar() -> Iterator[None]:
-    """transformers' progress bar off while a local model loads: the load takes milliseconds, and
-    its bar was noise on every command and replica start."""
+    """transformers' progress bar off while a model loads from disk: the load takes milliseconds,
+    and a bar for it would be noise on every command and replica start."""
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
