@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import requests
@@ -16,6 +15,7 @@ import yaml
 from helpers import HERMES_TEMPLATE, serve_tiny_app
 from prometheus_client.parser import text_string_to_metric_families
 
+from policies.schema import DEFAULT_POLICY_PATH
 from workers.config import EngineConfig
 
 MODEL = "tiny-test-model"
@@ -27,7 +27,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 @pytest.fixture(scope="module")
 def url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     workdir = tmp_path_factory.mktemp("serve")
-    policy = yaml.safe_load((Path(__file__).resolve().parents[1] / "policies" / "default_policy.yaml").read_text())
+    policy = yaml.safe_load(DEFAULT_POLICY_PATH.read_text())
     policy["version"] = "from-user-config"
     overrides = [{"name": "TargetWorker", "user_config": {"policy": policy}, "max_ongoing_requests": 3}]
     (workdir / "hermes.jinja").write_text(HERMES_TEMPLATE)

@@ -126,9 +126,9 @@ def draw(matches: Sequence[Match], depth: int, min_prob: float, pick: Pick) -> P
         if not groups or (prob := prob * len(next(iter(groups.values()))) / len(live)) < min_prob:
             break
         counts = [len(g) for g in groups.values()]
-        token = pick(list(groups), counts, at)
+        token, total = pick(list(groups), counts, at), sum(counts)
         tokens.append(token)
-        shares.append({t: c / sum(counts) for t, c in zip(groups, counts)})
+        shares.append({t: c / total for t, c in zip(groups, counts)})
         live = groups[token]
     return Proposal(tokens, tuple(range(-1, len(tokens) - 1)), tuple(shares))
 
