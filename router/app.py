@@ -737,12 +737,26 @@ class OpenAIIngress:
         """Forget every statistic (a shared store: for all replicas). The routing policy starts
         again from its priors."""
         check_admin_token(self.admin_token, request.headers.get("authorization"))
-        answers = await self._on_every_worker("reset_stats")
+        answers = await self._on_all_workers("reset_stats", "statistics reset")
+        return {"reset": True, "num_replicas": len(answers)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(self, request: Request) -> dict[str, Any]:
+        """vLLM's: every replica drops the prefixes finished requests left in its KV pool, so the
+        next prompts prefill from the start (a cold-cache benchmark without a restart). Running
+        requests are not touched."""
+        check_admin_token(self.admin_token, request.headers.get("authorization"))
+        answers = await self._on_all_workers("reset_prefix_cache", "prefix cache reset")
+        return {"reset": True, "num_replicas": len(answers), "num_tokens": sum(answers)}
+
+    async def _on_all_workers(self, method: str, what: str) -> list[Any]:
+        """`method`'s answers from every worker replica; a 500 naming `what` where any replica failed."""
+        answers = await self._on_every_worker(method)
         failed = [repr(a) for a in answers if isinstance(a, BaseException)]
         if failed:
-            raise APIError(500, f"statistics reset failed on {len(failed)} of {len(answers)} replicas: "
-                                f"{'; '.join(failed)}", type="internal_error")
-        return {"reset": True, "num_replicas": len(answers)}
+            raise APIError(500, f"{what} failed on {len(failed)} of {len(answers)} replicas: {'; '.join(failed)}",
+                           type="internal_error")
+        return answers
 
     async def _on_every_worker(self, method: str, *args: Any) -> list[Any]:
         """`method` on every worker replica: its answers, or the exceptions replicas raised."""

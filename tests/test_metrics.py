@@ -342,6 +342,24 @@ def test_a_salted_request_reuses_no_prefix_of_other_requests(base_url: str, traf
     assert salted["usage"]["prompt_tokens"] == unsalted["usage"]["prompt_tokens"]
 
 
+def test_reset_prefix_cache_drops_what_the_replicas_hold(base_url: str, traffic: list[dict]) -> None:
+    """vLLM's POST /reset_prefix_cache, admin only: both replicas drop their held prefixes (the
+    count it answers is what the gauge read), the next prompt finds nothing cached and answers
+    as before."""
+    text = "Translate to German: good morning"
+    before = _chat(base_url, text)
+    held = _scrape(base_url)["specroute_prefix_cache_tokens"][0].value
+    assert held > 0
+    r = requests.post(f"{base_url}/reset_prefix_cache", timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_token", r.text
+    r = requests.post(f"{base_url}/reset_prefix_cache", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    assert r.status_code == 200 and r.json() == {"reset": True, "num_replicas": 2, "num_tokens": held}, r.text
+    assert _scrape(base_url)["specroute_prefix_cache_tokens"][0].value == 0
+    after = _chat(base_url, text)
+    assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert after["choices"][0]["message"]["content"] == before["choices"][0]["message"]["content"]
+
+
 def test_suffix_cache_size_is_reported(base_url: str, traffic: list[dict]) -> None:
     """The replicas' suffix caches hold what they served, within their budgets: a gauge per
     domain (the policy's domains only) and the budget, summed over the two replicas, in /metrics

@@ -255,8 +255,9 @@ def test_policy_writes_and_stats_resets_need_the_admin_token(base_url: str) -> N
     for headers in ({}, AUTH, {"Authorization": "Bearer wrong"}):
         r = requests.put(f"{base_url}/v1/policy", data=b"version: x", headers=headers, timeout=30)
         assert _assert_openai_error(r, 401)["code"] == "invalid_admin_token"
-        r = requests.post(f"{base_url}/v1/stats/reset", headers=headers, timeout=30)
-        assert _assert_openai_error(r, 401)["code"] == "invalid_admin_token"
+        for path in ("/v1/stats/reset", "/reset_prefix_cache"):
+            r = requests.post(f"{base_url}{path}", headers=headers, timeout=30)
+            assert _assert_openai_error(r, 401)["code"] == "invalid_admin_token"
 
     assert _post(base_url, "/v1/chat/completions", CHAT).status_code == 200
     assert _requests_recorded(base_url) >= 1
@@ -314,7 +315,7 @@ def test_fuzzed_requests_never_get_a_5xx(base_url: str, mode: str) -> None:
         def fuzz(case: schemathesis.Case) -> None:
             if isinstance(case.body, dict) and isinstance(case.body.get("max_tokens"), int):
                 case.body["max_tokens"] = min(case.body["max_tokens"], 16)
-            headers = ADMIN_AUTH if case.path in ("/v1/policy", "/v1/stats/reset") else AUTH
+            headers = ADMIN_AUTH if case.path in ("/v1/policy", "/v1/stats/reset", "/reset_prefix_cache") else AUTH
             response = case.call(base_url=base_url, headers=headers, timeout=120)
             statuses.setdefault(case.path, []).append(response.status_code)
             case.validate_response(response, checks=[not_a_server_error])

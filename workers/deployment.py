@@ -379,6 +379,16 @@ class TargetWorker:
         self.router.store.reset()
         log.warning("statistics reset")
 
+    async def reset_prefix_cache(self) -> int:
+        """Drop the prefixes finished requests left in the KV pool, between steps: the positions
+        dropped. POST /reset_prefix_cache broadcasts this."""
+        prefix = self.batch.batch.prefix
+        if prefix is None:
+            return 0
+        num_tokens = await self._on_engine(prefix.clear)
+        log.warning("prefix cache reset: %d positions dropped", num_tokens)
+        return num_tokens
+
     def reconfigure(self, user_config: dict[str, Any] | None) -> None:
         """Serve `user_config: {policy: <mapping, or a path to a policy YAML>}`: applied to every
         replica, present and future, on `serve deploy`. A bad policy is logged and the running

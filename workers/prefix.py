@@ -155,6 +155,13 @@ class PrefixCache:
             del self.held[slot]
             self.pool.forget(slot)
 
+    def clear(self) -> int:
+        """Drop every held prefix (vLLM's reset_prefix_cache): the positions dropped. Running
+        requests keep theirs, and leave them held when they finish."""
+        num_tokens = self.num_held_tokens
+        self.evict(0)
+        return num_tokens
+
     def _best(self, reusable: Sequence[int], running: Iterable[LiveSequence],
               salt: str | None) -> tuple[LiveSequence | None, int]:
         """The sequence salted `salt` sharing the longest prefix with `reusable`, and its length; a
