@@ -97,6 +97,7 @@ from router.schemas import (
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    RequestT,
     SpeculationInfo,
     TokenizeRequest,
     TokenizeResponse,
@@ -104,6 +105,7 @@ from router.schemas import (
     ToolCallDelta,
     Usage,
     prompt_logprobs_of,
+    with_sampling_defaults,
 )
 from router.stats_view import stats_json
 from router.tools import Call
@@ -495,6 +497,7 @@ class OpenAIIngress:
         self.model_name = self.model_names[0]  # what responses carry, whichever name was asked for
         self.created = int(time.time())
         self._context_limit: int | None = None
+        self._sampling_defaults: dict[str, float | int] | None = None
         self.admin_token = self.args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
         guard.configure(self.args.max_request_bytes, self.args.retry_after_s,
                         self.args.api_key or os.environ.get(API_KEY_ENV),
@@ -544,6 +547,7 @@ class OpenAIIngress:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(self, body: CompletionRequest) -> CompletionResponse | StreamingResponse:
+        body = await self._with_defaults(body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         prompts = body.prompts
@@ -583,6 +587,7 @@ class OpenAIIngress:
     async def chat_completions(
         self, body: ChatCompletionRequest,
     ) -> ChatCompletionResponse | StreamingResponse:
+        body = await self._with_defaults(body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         messages = [m.as_template_message() for m in body.messages]
@@ -652,8 +657,10 @@ class OpenAIIngress:
     @app.post("/v1/responses", response_model=None)
     async def responses(self, body: ResponsesRequest) -> ResponseObject | StreamingResponse:
         """OpenAI's Responses API on the chat path, stateless (router/responses.py)."""
+        body = await self._with_defaults(body)
         try:
             chat = body.as_chat().use_tool_call_parser(self.args.engine.target.tool_call_parser)
+            chat = await self._with_defaults(chat)  # the fields this API lacks (min_p, repetition_penalty)
         except RequestFieldError as e:
             raise APIError(400, str(e), e.param) from None
         response = ResponseObject.started(body, f"resp_{uuid.uuid4().hex}", self.model_name)
@@ -674,8 +681,10 @@ class OpenAIIngress:
     @app.post(MESSAGES_PATH, response_model=None)
     async def messages(self, body: MessagesRequest) -> MessageObject | StreamingResponse:
         """Anthropic's Messages API on the chat path (router/messages.py)."""
+        body = await self._with_defaults(body)
         try:
             chat = body.as_chat().use_tool_call_parser(self.args.engine.target.tool_call_parser)
+            chat = await self._with_defaults(chat)  # the fields this API lacks (min_p, repetition_penalty)
         except RequestFieldError as e:
             raise APIError(400, str(e), e.param) from None
         message_id = f"msg_{uuid.uuid4().hex}"
@@ -783,6 +792,17 @@ class OpenAIIngress:
             except Exception as e:
                 raise APIError(503, f"no worker replica answered max_model_len: {e!r}", type="internal_error") from None
         return self._context_limit
+
+    async def _with_defaults(self, body: RequestT) -> RequestT:
+        """`body` with the sampling fields it left out set as the model's generation config says
+        (`target.generation_config`), asked of a worker replica once."""
+        if self._sampling_defaults is None:
+            try:
+                self._sampling_defaults = dict(await self.worker.sampling_defaults.remote())
+            except Exception as e:
+                raise APIError(503, f"no worker replica answered sampling_defaults: {e!r}",
+                               type="internal_error") from None
+        return with_sampling_defaults(body, self._sampling_defaults)
 
     async def _card(self, name: str) -> ModelCard:
         return ModelCard(id=name, created=self.created, max_model_len=await self._max_model_len())

@@ -33,8 +33,9 @@ answered without them. A field OpenAI does not define is refused: a typo must no
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -63,6 +64,7 @@ from workers.result import Logprob, TokenLogprobs
 from workers.structured import OutputFormat, format_error
 
 MAX_CHOICES = 16  # `n`: a request's choices each take a slot of the worker's batch
+_MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")  # by endpoint
 MAX_SEQUENCES = 64  # a completion's prompts times `n`: each its own request in the worker's batch
 
 
@@ -196,6 +198,22 @@ def _checked_format(value: ResponseFormat | StructuredOutputs | None) -> Any:
     if fmt is not None and (error := format_error(fmt)) is not None:
         raise ValueError(error.strip())
     return value
+
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+def with_sampling_defaults(body: RequestT, defaults: Mapping[str, float | int]) -> RequestT:
+    """`body` (any endpoint's request) with each sampling field it left out that `defaults` names
+    set to the default (the model's generation config, workers/target.py `sampling_defaults`); the
+    default `max_tokens` goes to the endpoint's own field for it where the request set none."""
+    fields, sent = type(body).model_fields, body.model_fields_set
+    update = {name: value for name, value in defaults.items()
+              if name != "max_tokens" and name in fields and name not in sent}
+    limits = [name for name in _MAX_TOKENS_FIELDS if name in fields]
+    if "max_tokens" in defaults and limits and not sent.intersection(limits):
+        update[limits[0]] = defaults["max_tokens"]
+    return body.model_copy(update=update) if update else body
 
 
 class GenerationRequestBase(BaseModel):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from workers.config import ModelConfig, ModelDrafterConfig, default_cache_dir
+from workers.config import GenerationDefaults, ModelConfig, ModelDrafterConfig, TargetConfig, default_cache_dir
 from workers.drafters import registry
 from workers.models import llama
 from workers.models.hf import HFCausalLM
@@ -26,6 +26,7 @@ from workers.target import (
     load_model,
     resolve_device_dtype,
     resolve_source,
+    sampling_defaults,
 )
 
 REL_TOL = 1e-4  # max |logit difference| relative to the largest |logit|
@@ -341,3 +342,19 @@ def test_a_drafter_in_bfloat16_drafts_in_float32_where_the_cpu_has_no_fast_bfloa
     drafter = registry.build_model_drafter(config, None, None)
     assert drafter.model.dtype == (torch.bfloat16 if pays else torch.float32)
     assert resolve_device_dtype(ModelConfig(dtype="bfloat16"))[1] == torch.bfloat16
+
+
+def test_sampling_defaults_are_the_generation_configs_under_the_override() -> None:
+    """vLLM's reading of a model's generation config: its sampling keys by a request's field names
+    (max_new_tokens: max_tokens), the override's over them; `vllm` reads none; a value no request
+    could send is left out, not served."""
+    recommended = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 7, "do_sample": True,
+                   "eos_token_id": 2}
+    assert sampling_defaults(TargetConfig(), recommended) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                              "max_tokens": 7}
+    greedy = TargetConfig(override_generation_config=GenerationDefaults(temperature=0, max_new_tokens=3))
+    assert sampling_defaults(greedy, recommended) == {"temperature": 0, "top_p": 0.95, "top_k": 20, "max_tokens": 3}
+    assert sampling_defaults(TargetConfig(generation_config="vllm"), recommended) == {}
+    assert sampling_defaults(TargetConfig(), {"temperature": 5.0}) == {}
+    with pytest.raises(ValueError, match="temprature"):
+        TargetConfig.model_validate({"override_generation_config": {"temprature": 0}})

@@ -75,6 +75,28 @@ def test_deploy_configs_validate(name: str) -> None:
     assert args.num_gpus == (1 if "gpu" in name else 0)
 
 
+def test_sampling_defaults_fill_only_what_a_request_left_out() -> None:
+    """Every endpoint's request takes the model's defaults for the sampling fields it did not send,
+    max_tokens under the endpoint's own name for it, and keeps what it sent."""
+    from router.messages import MessagesRequest
+    from router.responses import ResponsesRequest
+    from router.schemas import ChatCompletionRequest, CompletionRequest, with_sampling_defaults
+
+    defaults = {"temperature": 0.6, "top_k": 20, "min_p": 0.05, "max_tokens": 7}
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    filled = with_sampling_defaults(ChatCompletionRequest.model_validate({**chat, "temperature": 0}), defaults)
+    assert (filled.temperature, filled.top_k, filled.min_p, filled.num_max_tokens) == (0, 20, 0.05, 7)
+    capped = ChatCompletionRequest.model_validate({**chat, "max_completion_tokens": 3})
+    assert with_sampling_defaults(capped, defaults).num_max_tokens == 3
+    completion = with_sampling_defaults(CompletionRequest.model_validate({"prompt": "hi", "top_k": 0}), defaults)
+    assert (completion.temperature, completion.top_k, completion.max_tokens) == (0.6, 0, 7)
+    response = with_sampling_defaults(ResponsesRequest.model_validate({"input": "hi"}), defaults)
+    assert (response.temperature, response.top_k, response.max_output_tokens) == (0.6, 20, 7)
+    message = with_sampling_defaults(MessagesRequest.model_validate({**chat, "max_tokens": 2}), defaults)
+    assert (message.temperature, message.top_k, message.max_tokens) == (0.6, 20, 2)
+    assert with_sampling_defaults(capped, {}) is capped
+
+
 # -- the HTTP contract ---------------------------------------------------------------------------
 def test_healthz_and_models(base_url: str, client) -> None:
     assert requests.get(f"{base_url}/healthz", timeout=10).status_code == 200

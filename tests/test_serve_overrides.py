@@ -2,11 +2,13 @@
 Ray instance per process, and tests/test_serve.py keeps one up for its module. One application
 serves every test here, configured as a deployment would combine them: a `deployments:` override
 with the policy as user_config, priority scheduling over one KV slot, and a target with its own
-chat template and Hermes' tool-call syntax."""
+chat template, Hermes' tool-call syntax and sampling defaults (its generation_config.json's, one
+overridden in the config)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -16,9 +18,11 @@ from helpers import HERMES_TEMPLATE, serve_tiny_app
 from prometheus_client.parser import text_string_to_metric_families
 
 from policies.schema import DEFAULT_POLICY_PATH
-from workers.config import EngineConfig
+from workers.config import EngineConfig, GenerationDefaults
 
 MODEL = "tiny-test-model"
+# the target's generation_config.json recommends (top_k 1: its likeliest token, whatever the temperature)
+RECOMMENDED_SAMPLING = {"temperature": 0.5, "top_k": 1, "max_new_tokens": 7}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
     "additionalProperties": False}}}
@@ -31,10 +35,14 @@ def url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> 
     policy["version"] = "from-user-config"
     overrides = [{"name": "TargetWorker", "user_config": {"policy": policy}, "max_ongoing_requests": 3}]
     (workdir / "hermes.jinja").write_text(HERMES_TEMPLATE)
+    target = shutil.copytree(tiny_config.target.model, workdir / "target")
+    generation = target / "generation_config.json"  # save_pretrained's: the token ids
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), **RECOMMENDED_SAMPLING}))
     config = tiny_config.model_copy(update={
         "scheduler": tiny_config.scheduler.model_copy(update={"policy": "priority", "max_num_seqs": 1}),
-        "target": tiny_config.target.model_copy(update={"chat_template": str(workdir / "hermes.jinja"),
-                                                        "tool_call_parser": "hermes"}),
+        "target": tiny_config.target.model_copy(update={
+            "model": str(target), "chat_template": str(workdir / "hermes.jinja"), "tool_call_parser": "hermes",
+            "override_generation_config": GenerationDefaults(max_new_tokens=5)}),
     })
     with serve_tiny_app(config, workdir, MODEL, deployments=overrides) as base_url:
         yield base_url
@@ -103,3 +111,26 @@ def test_hermes_tool_calls_over_http(url: str) -> None:
         *common["messages"], {"role": "assistant", "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": "18 C"}])
     assert turn.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_omitted_sampling_fields_take_the_models_generation_config(url: str) -> None:
+    """As vLLM serves a model whose creator recommends sampling: a request that leaves a field out
+    gets the model's generation_config.json value (top_k 1 here, so it answers greedily), under
+    the config's override (max_tokens 5 over the file's 7); what a request sets stays. The
+    Responses API reports the temperature it sampled at."""
+    def chat(**fields: object) -> dict:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story"}], "ignore_eos": True}
+        r = requests.post(f"{url}/v1/chat/completions", json={**body, **fields}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    defaulted = chat()
+    assert defaulted["usage"]["completion_tokens"] == 5
+    greedy = chat(temperature=0, max_tokens=5)
+    assert defaulted["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
+    sampled = chat(top_k=0, seed=0, max_tokens=5)
+    assert sampled["choices"][0]["message"]["content"] != greedy["choices"][0]["message"]["content"]
+    assert chat(max_tokens=3)["usage"]["completion_tokens"] == 3
+    response = requests.post(f"{url}/v1/responses", json={"model": MODEL, "input": "Tell me a story",
+                                                          "ignore_eos": True}, timeout=60).json()
+    assert (response["temperature"], response["usage"]["output_tokens"]) == (0.5, 5)

@@ -93,6 +93,18 @@ class ModelConfig(_Strict):
 ToolCallParser = Literal["generic", "hermes", "llama3_json"]
 
 
+class GenerationDefaults(_Strict):
+    """What a request's omitted sampling fields take (vLLM's generation config): the model's
+    generation_config.json values, under `target.override_generation_config`'s."""
+
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, ge=1 / MAX_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    max_new_tokens: int | None = Field(None, ge=1, description="a request's max_tokens")
+
+
 class TargetConfig(ModelConfig):
     chat_template: str | None = Field(
         None, description="a Jinja chat template (a file, or the template's text) in place of the tokenizer's own, "
@@ -106,6 +118,15 @@ class TargetConfig(ModelConfig):
         None, description="a reasoning model's <think>...</think> answered apart as the message's `reasoning` "
                           "(workers/reasoning.py; DeepSeek-R1, QwQ, Qwen3, SmolLM3), as vLLM's --reasoning-parser; "
                           "response formats and tool calls then hold the answer after it")
+    generation_config: Literal["auto", "vllm"] = Field(
+        "auto", description="auto: a request's omitted temperature, top_p, top_k, min_p, repetition_penalty and "
+                            "max_tokens take the model's generation_config.json values (max_new_tokens for "
+                            "max_tokens), as vLLM's --generation-config; vllm: OpenAI's defaults, whatever the "
+                            "model's creator recommends")
+    override_generation_config: GenerationDefaults = Field(
+        default_factory=GenerationDefaults,
+        description="request defaults over the model's, as vLLM's --override-generation-config "
+                    "(e.g. {temperature: 0} serves greedy unless a request asks otherwise)")
     max_model_len: int | None = Field(
         None, gt=0, description="context limit: prompt + generated tokens (default: the model's positions, "
                                 "bounded by scheduler.kv_cache_gib)")

@@ -287,6 +287,10 @@ class TargetWorker:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """What a request's omitted sampling fields take (workers/target.py `sampling_defaults`)."""
+        return self.engine.target.sampling_defaults
+
     async def tokenize(self, request: GenerateRequest, add_special_tokens: bool = True,
                        with_strings: bool = False) -> Tokens:
         """The request's prompt as the engine tokenizes it (vLLM's /tokenize). On the engine

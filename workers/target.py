@@ -18,12 +18,14 @@ import json
 import logging
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+from pydantic import ValidationError
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -31,7 +33,8 @@ from transformers.initialization import no_init_weights
 from transformers.utils import logging as hf_logging
 
 from policies.paths import resolve_repo_path
-from workers.config import ModelConfig, TargetConfig, default_cache_dir
+from policies.schema import describe_errors
+from workers.config import GenerationDefaults, ModelConfig, TargetConfig, default_cache_dir
 from workers.models import bf16, hf, llama, quant
 from workers.models.base import CausalLM
 
@@ -57,6 +60,8 @@ class LoadedModel:
     source_dir: Path | str  # what transformers loads: a local directory or a hub id
     name: str
     draft_vocab: torch.Tensor | None = None  # token id of each logits column (None: the whole vocabulary)
+    # a target's defaults for a request's omitted sampling fields, by field name (`sampling_defaults`)
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 def _resolve_pkg(spec: str) -> Path:
@@ -268,7 +273,28 @@ def load_model(cfg: ModelConfig, embeddings: torch.Tensor | None = None) -> Load
                                        dense_prefill=dense_prefill)
                        if use_fast else hf.HFCausalLM(hf_model, eos))
     name = Path(cfg.model).stem if cfg.model.startswith("pkg:") else str(cfg.model)
-    return LoadedModel(model=model, tokenizer=tokenizer, source_dir=source, name=name, draft_vocab=vocab)
+    is_target = isinstance(cfg, TargetConfig)
+    defaults = sampling_defaults(cfg, hf_model.generation_config.to_diff_dict()) if is_target else {}
+    return LoadedModel(model=model, tokenizer=tokenizer, source_dir=source, name=name, draft_vocab=vocab,
+                       sampling_defaults=defaults)
+
+
+def sampling_defaults(cfg: TargetConfig, generation_config: Mapping[str, Any]) -> dict[str, float | int]:
+    """What a request's omitted sampling fields take, by the request's field names (max_tokens for
+    max_new_tokens): the model's generation config's values where `cfg.generation_config` is auto
+    (vLLM's reading of it), under `cfg.override_generation_config`'s. A value out of a request's
+    range is left out, with a warning."""
+    names = GenerationDefaults.model_fields
+    found = ({k: v for k, v in generation_config.items() if k in names and v is not None}
+             if cfg.generation_config == "auto" else {})
+    try:
+        model = GenerationDefaults.model_validate(found).model_dump(exclude_none=True)
+    except ValidationError as e:
+        log.warning("the model's generation config: %s; its sampling defaults are not used",
+                    describe_errors(e, root="generation_config"))
+        model = {}
+    merged = {**model, **cfg.override_generation_config.model_dump(exclude_none=True)}
+    return {("max_tokens" if k == "max_new_tokens" else k): v for k, v in merged.items()}
 
 
 def _weight_format(
