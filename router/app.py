@@ -65,6 +65,7 @@ from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.metrics import render as render_metrics
 from router.observation import Observation
 from router.replica_affinity import DEFAULT_MAX_IMBALANCE, PrefixAffinityRouter
+from router.response_store import ResponseStore, StoredResponse
 from router.responses import (
     ResponseEvents,
     ResponseObject,
@@ -158,8 +159,8 @@ class AppArgs(BaseModel):
                           "share statistics",
     )
     admin_token: str | None = Field(
-        None, description=f"PUT /v1/policy and POST /v1/stats/reset require `Authorization: Bearer "
-                          f"<admin_token>` (default: ${ADMIN_TOKEN_ENV}; none: open)",
+        None, description=f"PUT /v1/policy, POST /v1/stats/reset and POST /reset_prefix_cache require "
+                          f"`Authorization: Bearer <admin_token>` (default: ${ADMIN_TOKEN_ENV}; none: open)",
     )
     api_key: str | None = Field(
         None, description=f"the inference endpoints and /v1/models require `Authorization: Bearer <api_key>` "
@@ -198,6 +199,9 @@ class AppArgs(BaseModel):
     affinity_max_imbalance: int = Field(
         DEFAULT_MAX_IMBALANCE, ge=0, description="prefix_affinity: requests a replica may have queued beyond the "
                                                  "least loaded one and still be preferred")
+    max_stored_responses: int = Field(
+        1000, ge=0, description="Responses API responses the ingress keeps for previous_response_id and GET "
+                                "/v1/responses/{id}, the least recently used dropped first (0: none)")
 
     @property
     def model_names(self) -> list[str]:
@@ -498,6 +502,7 @@ class OpenAIIngress:
         self.created = int(time.time())
         self._context_limit: int | None = None
         self._sampling_defaults: dict[str, float | int] | None = None
+        self.stored_responses = ResponseStore(self.args.max_stored_responses)
         self.admin_token = self.args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
         guard.configure(self.args.max_request_bytes, self.args.retry_after_s,
                         self.args.api_key or os.environ.get(API_KEY_ENV),
@@ -656,19 +661,31 @@ class OpenAIIngress:
 
     @app.post("/v1/responses", response_model=None)
     async def responses(self, body: ResponsesRequest) -> ResponseObject | StreamingResponse:
-        """OpenAI's Responses API on the chat path, stateless (router/responses.py)."""
+        """OpenAI's Responses API on the chat path (router/responses.py); a response is stored
+        unless asked not to, and `previous_response_id` continues a stored one's conversation."""
         body = await self._with_defaults(body)
+        history = []
+        if body.previous_response_id is not None:
+            history = self._stored(body.previous_response_id, "previous_response_id").conversation
         try:
-            chat = body.as_chat().use_tool_call_parser(self.args.engine.target.tool_call_parser)
+            chat = body.after(history).as_chat().use_tool_call_parser(self.args.engine.target.tool_call_parser)
             chat = await self._with_defaults(chat)  # the fields this API lacks (min_p, repetition_penalty)
         except RequestFieldError as e:
             raise APIError(400, str(e), e.param) from None
-        response = ResponseObject.started(body, f"resp_{uuid.uuid4().hex}", self.model_name)
+        stores = body.stores and self.stored_responses.max_responses > 0
+        response = ResponseObject.started(body, f"resp_{uuid.uuid4().hex}", self.model_name, stores)
+        conversation = [*history, *body.input_items()]
+
+        def store(done: ResponseObject) -> None:
+            if stores:
+                self.stored_responses.put(done.id, StoredResponse(done.model_dump(mode="json"), [
+                    *conversation, *(item.model_dump(mode="json") for item in done.output)]))
+
         messages = [m.as_template_message() for m in chat.messages]
         try:
             if body.stream:
                 gens, heads = await self._open_streams(chat, [messages])
-                events = ResponseEvents(response, chat.tool_calls)
+                events = ResponseEvents(response, chat.tool_calls, on_done=store)
                 return StreamingResponse(self._typed_events(gens, heads, events), media_type="text/event-stream")
             out = (await self._generate(chat, [messages]))[0]
         except APIError as e:  # the worker names the chat request's fields
@@ -676,7 +693,30 @@ class OpenAIIngress:
         finish = out.finish_reason or "length"
         items = output_items(answer_of(out.text, finish, chat.tool_calls), f"msg_{uuid.uuid4().hex}", out.reasoning,
                              logprobs=out.logprobs)
-        return response.finished(items, out.result, finish, _speculation_info(out.result))
+        done = response.finished(items, out.result, finish, _speculation_info(out.result))
+        store(done)
+        return done
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(self, response_id: str) -> dict[str, Any]:
+        return self._stored(response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str) -> dict[str, Any]:
+        if not self.stored_responses.delete(response_id):
+            raise self._no_response(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    def _stored(self, response_id: str, param: str | None = None) -> StoredResponse:
+        stored = self.stored_responses.get(response_id)
+        if stored is None:
+            raise self._no_response(response_id, param)
+        return stored
+
+    def _no_response(self, response_id: str, param: str | None = None) -> APIError:
+        return APIError(404, f"no stored response {response_id!r}: responses are kept by this server's ingress, the "
+                             f"last {self.stored_responses.max_responses} of them, unless sent with store: false",
+                        param, "not_found")
 
     @app.post(MESSAGES_PATH, response_model=None)
     async def messages(self, body: MessagesRequest) -> MessageObject | StreamingResponse:

@@ -1,5 +1,4 @@
-"""OpenAI's Responses API (`POST /v1/responses`) on the chat path, stateless as vLLM serves it
-without a store.
+"""OpenAI's Responses API (`POST /v1/responses`) on the chat path.
 
 A request becomes a chat completion request (`as_chat`): `instructions` the system message,
 `input` (a text, or messages, function calls and their outputs) the chat, `text.format` the
@@ -9,18 +8,20 @@ a `message` with the text, or `function_call` items where tools were called. A s
 Responses' typed events (`ResponseEvents`): `response.created`, the items' `added` / `delta` /
 `done` events, `response.completed`. `include: ["message.output_text.logprobs"]` asks for the
 output's tokens' logprobs (`top_logprobs` alternatives each), as chat reports them; a reasoning
-model's thinking tokens count among them. Nothing is stored, so `previous_response_id` and
-`background` are refused by name; send the whole conversation as `input`.
+model's thinking tokens count among them. A response is stored unless `store: false`
+(router/response_store.py): `previous_response_id` continues its conversation (`after`), and
+`GET` / `DELETE /v1/responses/{id}` read and forget it. `background` and `conversation` are
+refused by name.
 """
-
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator
 
 from router.chat_path import answer_of, chat_request
 from router.schemas import (
@@ -105,6 +106,7 @@ InputItem = Annotated[
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type),
 ]
+_INPUT_ITEMS = TypeAdapter(list[InputItem])
 
 
 class FunctionTool(BaseModel):
@@ -163,7 +165,8 @@ class ResponsesRequest(BaseModel):
     # accepted, and ignored: they do not change what is generated
     metadata: dict[str, str] | None = None
     user: str | None = None
-    store: bool | None = Field(None, description="accepted; nothing is stored here")
+    store: bool | None = Field(None, description="keep the response for previous_response_id and GET "
+                                                 "/v1/responses/{id} (default: true, as OpenAI)")
     reasoning: dict[str, Any] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
@@ -172,9 +175,9 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = None
     stream_options: dict[str, Any] | None = None
     max_tool_calls: int | None = Field(None, ge=0, description="accepted; it bounds built-in tools, none here")
+    previous_response_id: str | None = Field(None, description="a stored response this one continues")
     # state and features this server does not keep
-    previous_response_id: None = Field(None, description="refused: nothing is stored; send the whole conversation")
-    conversation: None = Field(None, description="refused: nothing is stored; send the whole conversation")
+    conversation: None = Field(None, description="refused: no conversations are kept; use previous_response_id")
     prompt: None = Field(None, description="refused: no prompt templates are stored")
     background_options: None = None
     context_management: None = None
@@ -204,6 +207,21 @@ class ResponsesRequest(BaseModel):
     @property
     def with_logprobs(self) -> bool:
         return "message.output_text.logprobs" in (self.include or ())
+
+    @property
+    def stores(self) -> bool:
+        return self.store is not False
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """This request's input as items (a text: the user's message)."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        return [item.model_dump(mode="json", exclude_none=True) for item in self.input]
+
+    def after(self, history: list[dict[str, Any]]) -> ResponsesRequest:
+        """This request with `history` (a stored response's conversation) ahead of its input; its
+        own instructions only, as OpenAI carries none over."""
+        return self.model_copy(update={"input": _INPUT_ITEMS.validate_python([*history, *self.input_items()])})
 
     def as_chat(self) -> ChatCompletionRequest:
         """The chat completion request that generates this response. A ValueError names the field
@@ -344,18 +362,21 @@ class ResponseObject(BaseModel):
     text: TextConfig
     metadata: dict[str, str] | None = None
     store: bool = False
+    previous_response_id: str | None = None
     usage: ResponseUsage | None = None
     speculation: SpeculationInfo | None = None  # SpecRoute's: what ran and how well it was accepted
 
     @classmethod
-    def started(cls, request: ResponsesRequest, response_id: str, model: str) -> ResponseObject:
-        """The response before any output: what `response.created` carries."""
+    def started(cls, request: ResponsesRequest, response_id: str, model: str, store: bool) -> ResponseObject:
+        """The response before any output: what `response.created` carries; `store`: whether it
+        is kept."""
         return cls(
             id=response_id, created_at=int(time.time()), status="in_progress", model=model, output=[],
             instructions=request.instructions, max_output_tokens=request.max_output_tokens,
             temperature=request.temperature, top_p=request.top_p, tools=request.tools or [],
             tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,
             text=request.text or TextConfig(format=TextFormat(type="text")), metadata=request.metadata,
+            store=store, previous_response_id=request.previous_response_id,
         )
 
     def finished(self, output: list[OutputItem], result: GenerationResult, finish_reason: str,
@@ -398,9 +419,11 @@ class ResponseEvents:
     and ends when the answer starts. With tools under "auto" an answer's content streams as it is
     written and calls go out whole at the end, as on chat."""
 
-    def __init__(self, response: ResponseObject, tool_calls: ToolChoice | None) -> None:
+    def __init__(self, response: ResponseObject, tool_calls: ToolChoice | None,
+                 on_done: Callable[[ResponseObject], None] | None = None) -> None:
         self.response = response
         self.tool_calls = tool_calls
+        self.on_done = on_done  # given the finished response (to store it)
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self._sequence = 0
@@ -478,6 +501,8 @@ class ResponseEvents:
                 ]
             events.append(self._event("response.output_item.done", output_index=index, item=item))
         done = self.response.finished(items, result, finish_reason, speculation)
+        if self.on_done is not None:
+            self.on_done(done)
         kind = "response.completed" if done.status == "completed" else "response.incomplete"
         return [*events, self._event(kind, response=done)]
 

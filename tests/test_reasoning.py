@@ -134,7 +134,7 @@ def test_a_streamed_response_puts_the_reasoning_item_first() -> None:
     from router.responses import ResponseEvents, ResponseObject, ResponsesRequest
     from workers.result import GenerationResult
 
-    response = ResponseObject.started(ResponsesRequest(input="What is 2 + 2?"), "resp_1", MODEL)
+    response = ResponseObject.started(ResponsesRequest(input="What is 2 + 2?"), "resp_1", MODEL, store=False)
     events = ResponseEvents(response, None)
     stream = [*events.start(), *events.reasoning("Two and"), *events.reasoning(" two."), *events.reasoning(""),
               *events.text("It is"), *events.text(" 4.")]

@@ -830,9 +830,54 @@ def test_responses_call_functions_and_read_their_outputs(client, base_url: str) 
     assert set(json.loads(person.output_text)) == {"name"}
 
 
+def test_the_response_store_keeps_the_most_recently_used() -> None:
+    from router.response_store import ResponseStore, StoredResponse
+
+    store = ResponseStore(max_responses=2)
+    for name in ("a", "b"):
+        store.put(name, StoredResponse({"id": name}, []))
+    assert store.get("a") is not None  # now more recent than b
+    store.put("c", StoredResponse({"id": "c"}, []))
+    assert (len(store), store.get("b"), store.get("a").response) == (2, None, {"id": "a"})
+    assert store.delete("a") and not store.delete("a") and len(store) == 1
+    nothing = ResponseStore(max_responses=0)
+    nothing.put("a", StoredResponse({}, []))
+    assert len(nothing) == 0
+
+
+def test_responses_are_stored_continued_read_and_deleted(client, base_url: str) -> None:
+    """A stored response's conversation goes on by `previous_response_id` as if the client had sent
+    it whole (without the first's instructions, as OpenAI); a streamed one is stored too; GET reads
+    a response, DELETE forgets it, and one sent with `store: false` is not kept."""
+    common = {"model": MODEL, "max_output_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    first = client.responses.create(instructions="Be brief.", input="Count: one two three", **common)
+    assert first.store and first.previous_response_id is None
+    follow = client.responses.create(previous_response_id=first.id, input="Again", **common)
+    whole = client.responses.create(store=False, input=[
+        {"role": "user", "content": "Count: one two three"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": first.output_text}]},
+        {"role": "user", "content": "Again"}], **common)
+    assert follow.previous_response_id == first.id and not whole.store
+    assert (follow.output_text, follow.usage.input_tokens) == (whole.output_text, whole.usage.input_tokens)
+    assert client.responses.retrieve(follow.id).output_text == follow.output_text
+    events = _response_events(base_url, {"model": MODEL, "input": "Hello", "max_output_tokens": 4, "temperature": 0,
+                                         "previous_response_id": follow.id})
+    streamed = events[-1][1]["response"]
+    assert client.responses.retrieve(streamed["id"]).output_text == streamed["output"][0]["content"][0]["text"]
+    assert streamed["usage"]["input_tokens"] > follow.usage.input_tokens
+    r = requests.delete(f"{base_url}/v1/responses/{first.id}", timeout=30)
+    assert r.status_code == 200 and r.json() == {"id": first.id, "object": "response", "deleted": True}, r.text
+    for gone in (first.id, whole.id):
+        r = requests.get(f"{base_url}/v1/responses/{gone}", timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+    r = requests.post(f"{base_url}/v1/responses", json={"model": MODEL, "input": "hi",
+                                                         "previous_response_id": first.id}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id", r.text
+    assert requests.delete(f"{base_url}/v1/responses/{first.id}", timeout=30).status_code == 404
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": []}, "input"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format"),
