@@ -664,7 +664,7 @@ class OpenAIIngress:
         """OpenAI's Responses API on the chat path (router/responses.py); a response is stored
         unless asked not to, and `previous_response_id` continues a stored one's conversation."""
         body = await self._with_defaults(body)
-        history = []
+        history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             history = self._stored(body.previous_response_id, "previous_response_id").conversation
         try:

@@ -13,6 +13,7 @@ model's thinking tokens count among them. A response is stored unless `store: fa
 `GET` / `DELETE /v1/responses/{id}` read and forget it. `background` and `conversation` are
 refused by name.
 """
+
 from __future__ import annotations
 
 import json
@@ -221,6 +222,8 @@ class ResponsesRequest(BaseModel):
     def after(self, history: list[dict[str, Any]]) -> ResponsesRequest:
         """This request with `history` (a stored response's conversation) ahead of its input; its
         own instructions only, as OpenAI carries none over."""
+        if not history:
+            return self
         return self.model_copy(update={"input": _INPUT_ITEMS.validate_python([*history, *self.input_items()])})
 
     def as_chat(self) -> ChatCompletionRequest:

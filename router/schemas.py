@@ -64,8 +64,8 @@ from workers.result import Logprob, TokenLogprobs
 from workers.structured import OutputFormat, format_error
 
 MAX_CHOICES = 16  # `n`: a request's choices each take a slot of the worker's batch
-_MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")  # by endpoint
 MAX_SEQUENCES = 64  # a completion's prompts times `n`: each its own request in the worker's batch
+_MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")  # each endpoint's names for it
 
 
 # -- requests --------------------------------------------------------------------------------
