@@ -458,7 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="no chat template: the prompt as is")
     gen.add_argument("--logprobs", type=int, default=None, metavar="N",
                      help="with --json: each token's logprob and its position's N likeliest")
-    gen.add_argument("--config", type=Path, default=None, help="engine or Serve config YAML")
+    gen.add_argument("--config", type=Path, default=DEFAULT_SERVE_CONFIG,
+                     help=f"engine or Serve config YAML (default: deploy/{DEFAULT_SERVE_CONFIG.name}, the service's)")
     gen.add_argument("--policy", type=Path, default=None, help="routing policy YAML (default: the shipped one)")
     gen.add_argument("--json", action="store_true", help="one JSON object with the statistics")
     gen.set_defaults(func=cmd_generate)
