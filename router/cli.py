@@ -25,6 +25,7 @@ from workers.config import (
     RoutingConfig,
     check_speculation,
     load_engine_config,
+    load_routing_config,
 )
 from workers.result import Logprob, RequestError
 from workers.text_stream import stream_delta
@@ -59,8 +60,11 @@ def _existing_file(path: Path, flag: str) -> Path:
     return path
 
 
-def routing_config(policy: Path | None) -> RoutingConfig:
-    return RoutingConfig(policy=None if policy is None else _existing_file(policy, "--policy"))
+def routing_config(policy: Path | None, config: Path | None = None) -> RoutingConfig:
+    """The router's config: a Serve config's `routing` args (else every default), its policy
+    replaced by --policy where one is given."""
+    routing = load_routing_config(config)
+    return routing if policy is None else routing.model_copy(update={"policy": _existing_file(policy, "--policy")})
 
 
 def _positive_int(text: str) -> int:
@@ -116,8 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # what the files and flags alone decide is refused before torch and the model load (seconds)
     if not args.prompt.strip():
         raise CLIError("--prompt is empty")
-    config = load_engine_config(args.config)
-    routing = routing_config(args.policy)
+    config, routing = load_engine_config(args.config), routing_config(args.policy, args.config)
     try:
         load_policy(routing.policy_path())
     except PolicyError as e:
@@ -205,7 +208,7 @@ def _logprob_json(entry: Logprob) -> dict[str, Any]:
 def cmd_bench(args: argparse.Namespace) -> int:
     _existing_file(args.prompts, "--prompts")  # the files and flags first: the imports take seconds
     methods = _comma_list(args.methods, "--methods")
-    config, routing = load_engine_config(args.config), routing_config(args.policy)
+    config, routing = load_engine_config(args.config), routing_config(args.policy, args.config)
     concurrency = _levels(args.concurrency) if args.concurrency is not None else None
 
     from bench.llama_cpp import llama_cpp_dir

@@ -202,6 +202,23 @@ def test_generate_auto_routes_and_reports_the_decision(plain_json: dict) -> None
     assert {drafter for drafter, _, _ in out["schedule"]} <= configured | {"none"}
 
 
+def test_generate_takes_the_serve_configs_routing(tmp_path: Path) -> None:
+    """A Serve config's `routing` args reach generate as they reach the service: its policy (here
+    the shipped one under another version) unless --policy names one; a bad field is refused,
+    named, before the model loads."""
+    policy = yaml.safe_load((REPO / "policies" / "default_policy.yaml").read_text())
+    policy["version"] = "from-serve-config"
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
+    serve = yaml.safe_load((REPO / "deploy" / "serve.cpu.yaml").read_text())
+    serve["applications"][0]["args"]["routing"]["policy"] = str(tmp_path / "policy.yaml")
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(serve))
+    assert generate_json("--config", str(tmp_path / "serve.yaml"))["policy_version"] == "from-serve-config"
+    serve["applications"][0]["args"]["routing"]["seed"] = "x"
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(serve))
+    proc = specroute("generate", "--prompt", PROMPT, "--config", str(tmp_path / "bad.yaml"))
+    assert_user_error(proc, "routing.seed", "bad.yaml")
+
+
 def test_generate_with_a_bad_policy_file(tmp_path: Path) -> None:
     bad = tmp_path / "policy.yaml"
     bad.write_text("version: 1\ndefault_domain: chat\ndomains: {chat: {drafters: [ngram], k_max: 99}}\n")

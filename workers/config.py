@@ -440,5 +440,24 @@ def load_engine_config(path: Path | None) -> EngineConfig:
         raise ConfigError(f"config {path}: {describe_validation_error(e)}") from None
 
 
+class _RoutingArgs(BaseModel):
+    """What a Serve application's args say of the router (the rest is router/app.py's)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+
+
+def load_routing_config(path: Path | None) -> RoutingConfig:
+    """The router's config from a Serve config: its first application's args.routing (an engine
+    YAML, or no path: every default)."""
+    data = {} if path is None else read_yaml(path)
+    args = (data["applications"][0].get("args") or {}) if "applications" in data else {}
+    try:
+        return _RoutingArgs.model_validate(args).routing
+    except ValidationError as e:
+        raise ConfigError(f"config {path}: {describe_validation_error(e)}") from None
+
+
 def describe_validation_error(e: ValidationError) -> str:
     return describe_errors(e, root="config")
