@@ -426,14 +426,19 @@ def read_yaml(path: Path) -> dict:
     return data
 
 
+def _application_args(data: dict) -> dict | None:
+    """A Serve config's first application's args; None: not a Serve config (an engine YAML)."""
+    return (data["applications"][0].get("args") or {}) if "applications" in data else None
+
+
 def load_engine_config(path: Path | None) -> EngineConfig:
     """An engine config from YAML: either the engine block itself or a Serve config whose first
     application carries it under args.engine. No path: every default."""
     if path is None:
         return EngineConfig()
     data = read_yaml(path)
-    if "applications" in data:
-        data = (data["applications"][0].get("args") or {}).get("engine") or {}
+    if (args := _application_args(data)) is not None:
+        data = args.get("engine") or {}
     try:
         return EngineConfig.model_validate(data)
     except ValidationError as e:
@@ -451,10 +456,9 @@ class _RoutingArgs(BaseModel):
 def load_routing_config(path: Path | None) -> RoutingConfig:
     """The router's config from a Serve config: its first application's args.routing (an engine
     YAML, or no path: every default)."""
-    data = {} if path is None else read_yaml(path)
-    args = (data["applications"][0].get("args") or {}) if "applications" in data else {}
+    args = None if path is None else _application_args(read_yaml(path))
     try:
-        return _RoutingArgs.model_validate(args).routing
+        return _RoutingArgs.model_validate(args or {}).routing
     except ValidationError as e:
         raise ConfigError(f"config {path}: {describe_validation_error(e)}") from None
 

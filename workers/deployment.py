@@ -201,6 +201,10 @@ class TargetWorker:
         services = {name: HandleDraftService(handle, self._remote_timeout(name))
                     for name, handle in (drafter_handles or {}).items()}
         self.engine: SpecEngine = engine.SpecEngine.from_config(self.config, services)
+        if defaults := self.engine.target.sampling_defaults:  # the ingress applies them (router/schemas.py)
+            replica_log.warning("a request's omitted sampling fields default to %s (the model's generation_config.json "
+                                "under target.override_generation_config; target.generation_config: vllm for "
+                                "OpenAI's defaults)", defaults)
         routing_config = RoutingConfig.model_validate(routing_config or {})
         store = make_stats_store(stats_url, **({} if stats_prefix is None else {"prefix": stats_prefix}))
         self.allowed_dirs = resolve_allowed_dirs(allowed_dirs or ())

@@ -592,10 +592,6 @@ class SpecEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         target = load_model(config.target)
-        if target.sampling_defaults:
-            log.warning("a request's omitted sampling fields default to %s (the model's generation_config.json "
-                        "under target.override_generation_config; target.generation_config: vllm for OpenAI's "
-                        "defaults)", target.sampling_defaults)
         drafters = build_drafters(config.drafters, target, services, config.scheduler.max_num_seqs,
                                   config.target.max_model_len)
         release_freed_memory()  # the loading's temporaries

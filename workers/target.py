@@ -282,8 +282,8 @@ def load_model(cfg: ModelConfig, embeddings: torch.Tensor | None = None) -> Load
 def sampling_defaults(cfg: TargetConfig, generation_config: Mapping[str, Any]) -> dict[str, float | int]:
     """What a request's omitted sampling fields take, by the request's field names (max_tokens for
     max_new_tokens): the model's generation config's values where `cfg.generation_config` is auto
-    (vLLM's reading of it), under `cfg.override_generation_config`'s. A value out of a request's
-    range is left out, with a warning."""
+    (vLLM's reading of it), under `cfg.override_generation_config`'s. A file with a value out of a
+    request's range gives none, with a warning."""
     names = GenerationDefaults.model_fields
     found = ({k: v for k, v in generation_config.items() if k in names and v is not None}
              if cfg.generation_config == "auto" else {})
