@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -65,7 +65,7 @@ from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.metrics import render as render_metrics
 from router.observation import Observation
 from router.replica_affinity import DEFAULT_MAX_IMBALANCE, PrefixAffinityRouter
-from router.response_store import ResponseStore, StoredResponse
+from router.response_store import ResponseStoreUnavailable, StoredResponse, make_response_store
 from router.responses import (
     ResponseEvents,
     ResponseObject,
@@ -200,8 +200,11 @@ class AppArgs(BaseModel):
         DEFAULT_MAX_IMBALANCE, ge=0, description="prefix_affinity: requests a replica may have queued beyond the "
                                                  "least loaded one and still be preferred")
     max_stored_responses: int = Field(
-        1000, ge=0, description="Responses API responses the ingress keeps for previous_response_id and GET "
+        1000, ge=0, description="Responses API responses kept for previous_response_id and GET "
                                 "/v1/responses/{id}, the least recently used dropped first (0: none)")
+    responses_url: str | None = Field(
+        None, description="redis:// URL where stored responses live, shared by the ingress replicas and kept across "
+                          "restarts, under the stats_prefix (default: the ingress's memory)")
 
     @property
     def model_names(self) -> list[str]:
@@ -332,6 +335,12 @@ def _as_api_error(e: BaseException) -> APIError:
     log.error("request failed: %r", e, exc_info=e)
     # the exception's own words, as vLLM's 500s carry them: what a client can report
     return APIError(500, f"internal error: {type(e).__name__}: {e}"[:_MAX_INTERNAL_MESSAGE], type="internal_error")
+
+
+def _store_unavailable(e: ResponseStoreUnavailable, param: str | None = None) -> APIError:
+    """The shared response store did not answer: the response may be there, so retry (not a 404)."""
+    return APIError(503, f"stored responses cannot be read now ({e}); retry", param, "service_unavailable",
+                    "internal_error", headers={"retry-after": str(guard.SETTINGS.retry_after_s)})
 
 
 def _refusal(status: int, message: str, code: str, path: str) -> JSONResponse:
@@ -502,7 +511,8 @@ class OpenAIIngress:
         self.created = int(time.time())
         self._context_limit: int | None = None
         self._sampling_defaults: dict[str, float | int] | None = None
-        self.stored_responses = ResponseStore(self.args.max_stored_responses)
+        self.stored_responses = make_response_store(self.args.responses_url, self.args.max_stored_responses,
+                                                    prefix=self.args.stats_prefix)
         self.admin_token = self.args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
         guard.configure(self.args.max_request_bytes, self.args.retry_after_s,
                         self.args.api_key or os.environ.get(API_KEY_ENV),
@@ -666,7 +676,7 @@ class OpenAIIngress:
         body = await self._with_defaults(body)
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
-            history = self._stored(body.previous_response_id, "previous_response_id").conversation
+            history = (await self._stored(body.previous_response_id, "previous_response_id")).conversation
         try:
             chat = body.after(history).as_chat().use_tool_call_parser(self.args.engine.target.tool_call_parser)
             chat = await self._with_defaults(chat)  # the fields this API lacks (min_p, repetition_penalty)
@@ -676,17 +686,23 @@ class OpenAIIngress:
         response = ResponseObject.started(body, f"resp_{uuid.uuid4().hex}", self.model_name, stores)
         conversation = [*history, *body.input_items()]
 
-        def store(done: ResponseObject) -> None:
+        async def store(done: ResponseObject) -> None:
             if stores:
-                self.stored_responses.put(done.id, StoredResponse(done.model_dump(mode="json"), [
+                await self.stored_responses.put(done.id, StoredResponse(done.model_dump(mode="json", by_alias=True), [
                     *conversation, *(item.model_dump(mode="json") for item in done.output)]))
 
         messages = [m.as_template_message() for m in chat.messages]
         try:
             if body.stream:
                 gens, heads = await self._open_streams(chat, [messages])
-                events = ResponseEvents(response, chat.tool_calls, on_done=store)
-                return StreamingResponse(self._typed_events(gens, heads, events), media_type="text/event-stream")
+                events = ResponseEvents(response, chat.tool_calls)
+
+                async def store_streamed() -> None:
+                    assert events.done is not None
+                    await store(events.done)
+
+                return StreamingResponse(self._typed_events(gens, heads, events, store_streamed),
+                                         media_type="text/event-stream")
             out = (await self._generate(chat, [messages]))[0]
         except APIError as e:  # the worker names the chat request's fields
             raise e.for_param(responses_param) from None
@@ -694,28 +710,35 @@ class OpenAIIngress:
         items = output_items(answer_of(out.text, finish, chat.tool_calls), f"msg_{uuid.uuid4().hex}", out.reasoning,
                              logprobs=out.logprobs)
         done = response.finished(items, out.result, finish, _speculation_info(out.result))
-        store(done)
+        await store(done)
         return done
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(self, response_id: str) -> dict[str, Any]:
-        return self._stored(response_id).response
+        return (await self._stored(response_id)).response
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str) -> dict[str, Any]:
-        if not self.stored_responses.delete(response_id):
+        try:
+            deleted = await self.stored_responses.delete(response_id)
+        except ResponseStoreUnavailable as e:
+            raise _store_unavailable(e) from None
+        if not deleted:
             raise self._no_response(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
-    def _stored(self, response_id: str, param: str | None = None) -> StoredResponse:
-        stored = self.stored_responses.get(response_id)
+    async def _stored(self, response_id: str, param: str | None = None) -> StoredResponse:
+        try:
+            stored = await self.stored_responses.get(response_id)
+        except ResponseStoreUnavailable as e:
+            raise _store_unavailable(e, param) from None
         if stored is None:
             raise self._no_response(response_id, param)
         return stored
 
     def _no_response(self, response_id: str, param: str | None = None) -> APIError:
-        return APIError(404, f"no stored response {response_id!r}: responses are kept by this server's ingress, the "
-                             f"last {self.stored_responses.max_responses} of them, unless sent with store: false",
+        return APIError(404, f"no stored response {response_id!r}: this server keeps the last "
+                             f"{self.stored_responses.max_responses} responses, unless sent with store: false",
                         param, "not_found")
 
     @app.post(MESSAGES_PATH, response_model=None)
@@ -946,8 +969,10 @@ class OpenAIIngress:
 
     async def _typed_events(
         self, gens: list[DeploymentResponseGenerator], heads: list[Chunk], events: ResponseEvents | MessageEvents,
+        on_finish: Callable[[], Awaitable[None]] | None = None,
     ) -> AsyncIterator[str]:
-        """A streamed /v1/responses or /v1/messages: that API's typed events over the chat's chunks."""
+        """A streamed /v1/responses or /v1/messages: that API's typed events over the chat's chunks;
+        `on_finish` runs once the answer is whole, before the events that end the stream go out."""
         done = False
         try:
             for event in events.start():
@@ -956,7 +981,10 @@ class OpenAIIngress:
                 for event in [*events.reasoning(chunk.reasoning), *events.text(chunk.text, chunk.logprobs)]:
                     yield event
                 if chunk.finish_reason is not None:
-                    for event in events.finish(chunk.finish_reason, chunk.result, _speculation_info(chunk.result)):
+                    ending = events.finish(chunk.finish_reason, chunk.result, _speculation_info(chunk.result))
+                    if on_finish is not None:
+                        await on_finish()
+                    for event in ending:
                         yield event
             done = True
         except _CANCELLED:  # the client went away: nobody to report to

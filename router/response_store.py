@@ -1,6 +1,13 @@
 """The Responses API's stored responses (`store`, `previous_response_id`, `GET` and `DELETE
-/v1/responses/{id}`), kept by the ingress replica that answered them, as vLLM keeps them in its
-API server's memory: the most recent `max_responses`, the least recently used dropped first.
+/v1/responses/{id}`): the most recent `max_responses`, the least recently used dropped first.
+
+Two backends:
+  * `MemoryResponseStore` (the default): the ingress replica's memory, as vLLM keeps them in its
+    API server; a restart or a redeploy forgets them.
+  * `RedisResponseStore` (`responses_url`): a Redis that every ingress replica shares, which
+    outlives them. When that Redis fails, a response is kept in the replica's memory instead,
+    so answering never fails on the store; reading one that is in neither raises
+    `ResponseStoreUnavailable` (it may be in the Redis that did not answer).
 
 A stored response keeps its conversation whole (the earlier turns' items, its own input items,
 then its output items), so a request that continues it is its conversation plus the new input:
@@ -9,9 +16,35 @@ the next turn's prompt starts with the last one's, which the target replicas' pr
 
 from __future__ import annotations
 
+import json
+import logging
+import math
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from policies.stats import DEFAULT_PREFIX
+
+log = logging.getLogger("specroute.responses")
+
+_REDIS_ERRORS = (redis.RedisError, OSError)
+
+# put: store the response, mark it used now, drop the least recently used beyond the bound
+_PUT_SCRIPT = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+local excess = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[4])
+if excess > 0 then
+  local old = redis.call('ZPOPMIN', KEYS[2], excess)
+  for i = 1, #old, 2 do redis.call('HDEL', KEYS[1], old[i]) end
+end
+"""
 
 
 @dataclass(frozen=True)
@@ -20,25 +53,129 @@ class StoredResponse:
     conversation: list[dict[str, Any]]  # input items: earlier turns, this request's input, its output
 
 
-class ResponseStore:
+class ResponseStoreUnavailable(RuntimeError):
+    """The shared store did not answer and this replica does not hold the response."""
+
+
+class ResponseStore(Protocol):
+    max_responses: int
+
+    async def put(self, response_id: str, stored: StoredResponse) -> None: ...
+
+    async def get(self, response_id: str) -> StoredResponse | None: ...
+
+    async def delete(self, response_id: str) -> bool: ...
+
+
+class MemoryResponseStore:
     def __init__(self, max_responses: int) -> None:
         self.max_responses = max_responses
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._responses)
-
-    def put(self, response_id: str, stored: StoredResponse) -> None:
+    async def put(self, response_id: str, stored: StoredResponse) -> None:
         self._responses[response_id] = stored
         self._responses.move_to_end(response_id)
         while len(self._responses) > self.max_responses:
             self._responses.popitem(last=False)
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    async def get(self, response_id: str) -> StoredResponse | None:
         stored = self._responses.get(response_id)
         if stored is not None:
             self._responses.move_to_end(response_id)
         return stored
 
-    def delete(self, response_id: str) -> bool:
+    async def delete(self, response_id: str) -> bool:
         return self._responses.pop(response_id, None) is not None
+
+
+class RedisResponseStore:
+    """Keys `{prefix}:responses:v1:items` (a HASH: id -> the stored response as JSON) and
+    `{prefix}:responses:v1:used` (a sorted set: id -> when last put or read), on one cluster slot.
+    The statistics' reset (`{prefix}:v1:*`) leaves them alone.
+
+    After a failure Redis is not tried again for `retry_s`: meanwhile responses go to, and are
+    read from, the replica's memory (bounded alike), so a dead Redis costs a request nothing."""
+
+    def __init__(self, client: str | aioredis.Redis, max_responses: int, *, prefix: str = DEFAULT_PREFIX,
+                 timeout_s: float = 1.0, retry_s: float = 1.0) -> None:
+        if not prefix or set(prefix) & set("{}"):
+            raise ValueError(f"prefix must be non-empty and without braces, got {prefix!r}")
+        if isinstance(client, str):
+            # redis-py retries with backoff by default: far too long on a request path
+            client = aioredis.Redis.from_url(client, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                             retry=Retry(NoBackoff(), 0))
+        self._redis = client
+        self.max_responses = max_responses
+        self.retry_s = retry_s
+        self._items_key = f"{{{prefix}}}:responses:v1:items"
+        self._used_key = f"{{{prefix}}}:responses:v1:used"
+        self._put_script = client.register_script(_PUT_SCRIPT)
+        self._local = MemoryResponseStore(max_responses)  # what Redis could not take
+        self._retry_at = -math.inf
+
+    def _may_try(self) -> bool:
+        return time.monotonic() >= self._retry_at
+
+    def _failed(self, error: Exception) -> None:
+        if self._retry_at == -math.inf:
+            log.warning("responses Redis unreachable, storing in this replica's memory: %s: %s",
+                        type(error).__name__, error)
+        self._retry_at = time.monotonic() + self.retry_s
+
+    def _succeeded(self) -> None:
+        if self._retry_at != -math.inf:
+            log.info("responses Redis reachable again")
+        self._retry_at = -math.inf
+
+    async def put(self, response_id: str, stored: StoredResponse) -> None:
+        if self._may_try():
+            try:
+                await self._put_script(keys=[self._items_key, self._used_key],
+                                       args=[response_id, json.dumps(asdict(stored)), time.time(), self.max_responses])
+            except _REDIS_ERRORS as e:
+                self._failed(e)
+            else:
+                self._succeeded()
+                return
+        await self._local.put(response_id, stored)
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        local = await self._local.get(response_id)
+        if local is not None:
+            return local
+        if not self._may_try():
+            raise ResponseStoreUnavailable("the responses Redis is unreachable")
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                raw, _ = await pipe.hget(self._items_key, response_id).zadd(
+                    self._used_key, {response_id: time.time()}, xx=True).execute()
+        except _REDIS_ERRORS as e:
+            self._failed(e)
+            raise ResponseStoreUnavailable(f"the responses Redis is unreachable: {type(e).__name__}") from None
+        self._succeeded()
+        return None if raw is None else StoredResponse(**json.loads(raw))
+
+    async def delete(self, response_id: str) -> bool:
+        deleted_here = await self._local.delete(response_id)
+        if not self._may_try():
+            if deleted_here:
+                return True
+            raise ResponseStoreUnavailable("the responses Redis is unreachable")
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                num_deleted, _ = await pipe.hdel(self._items_key, response_id).zrem(
+                    self._used_key, response_id).execute()
+        except _REDIS_ERRORS as e:
+            self._failed(e)
+            if deleted_here:
+                return True
+            raise ResponseStoreUnavailable(f"the responses Redis is unreachable: {type(e).__name__}") from None
+        self._succeeded()
+        return deleted_here or num_deleted > 0
+
+
+def make_response_store(url: str | None, max_responses: int, *, prefix: str | None = None) -> ResponseStore:
+    """The Redis store at `url`, else the replica's memory."""
+    if url is None:
+        return MemoryResponseStore(max_responses)
+    return RedisResponseStore(url, max_responses, prefix=prefix or DEFAULT_PREFIX)

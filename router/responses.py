@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator
@@ -422,11 +421,10 @@ class ResponseEvents:
     and ends when the answer starts. With tools under "auto" an answer's content streams as it is
     written and calls go out whole at the end, as on chat."""
 
-    def __init__(self, response: ResponseObject, tool_calls: ToolChoice | None,
-                 on_done: Callable[[ResponseObject], None] | None = None) -> None:
+    def __init__(self, response: ResponseObject, tool_calls: ToolChoice | None) -> None:
         self.response = response
         self.tool_calls = tool_calls
-        self.on_done = on_done  # given the finished response (to store it)
+        self.done: ResponseObject | None = None  # the finished response, once `finish` made it
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self._sequence = 0
@@ -503,9 +501,7 @@ class ResponseEvents:
                                 arguments=item.arguments),
                 ]
             events.append(self._event("response.output_item.done", output_index=index, item=item))
-        done = self.response.finished(items, result, finish_reason, speculation)
-        if self.on_done is not None:
-            self.on_done(done)
+        done = self.done = self.response.finished(items, result, finish_reason, speculation)
         kind = "response.completed" if done.status == "completed" else "response.incomplete"
         return [*events, self._event(kind, response=done)]
 

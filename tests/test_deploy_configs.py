@@ -24,9 +24,9 @@ def test_rayservice_serves_the_gpu_application() -> None:
     gpu = AppArgs.model_validate(yaml.safe_load((DEPLOY / "serve.gpu.yaml").read_text())["applications"][0]["args"])
     assert args.engine == gpu.engine and args.num_gpus == gpu.num_gpus == 1
     assert args.autoscaling_config == gpu.autoscaling_config
-    # the statistics store every replica shares is the Redis this file deploys
+    # the statistics and stored responses every replica shares are in the Redis this file deploys
     redis_service = kinds["Service"]["metadata"]["name"]
-    assert args.stats_url == f"redis://{redis_service}:6379/0"
+    assert args.stats_url == args.responses_url == f"redis://{redis_service}:6379/0"
     cluster = service["spec"]["rayClusterConfig"]
     (group,) = cluster["workerGroupSpecs"]
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]

@@ -2,7 +2,7 @@
 
 One app for the module, configured the way a production deployment would lock it down: an API key,
 an admin token, a small request-size limit, a bounded queue (one request at a time on the worker,
-one queued), and statistics in a private Redis this module stops and restarts. Tests run in file
+one queued), and statistics and stored responses in a private Redis this module stops and restarts. Tests run in file
 order: the ones that break things (Redis outage, replica kill) come last.
 """
 
@@ -42,7 +42,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Count: one two
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThrowawayRedis]:
-    """Statistics live here; the fault test stops it (SHUTDOWN SAVE) and restarts it with its data."""
+    """Statistics and stored responses live here; the fault tests stop it (SHUTDOWN SAVE) and
+    restart it with its data."""
     with throwaway_redis_server(tmp_path_factory.mktemp("redis")) as server:
         yield server
 
@@ -52,7 +53,7 @@ def base_url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory
              redis_server: ThrowawayRedis) -> Iterator[str]:
     with serve_tiny_app(tiny_config, tmp_path_factory.mktemp("serve"), MODEL, api_key=API_KEY, admin_token=ADMIN,
                         max_request_bytes=MAX_BODY, max_ongoing_requests=1, max_queued_requests=1,
-                        stats_url=redis_server.url, stats_prefix="reliability",
+                        stats_url=redis_server.url, stats_prefix="reliability", responses_url=redis_server.url,
                         allowed_origins=[ORIGIN]) as url:
         yield url
 
@@ -453,6 +454,60 @@ def test_redis_stopped_mid_load_and_restarted(base_url: str, redis_server: Throw
     wait_for(lambda: _requests_recorded(base_url) == len(statuses) + 1, "the counters to reconcile", 30)
     health = _observe(base_url)["store"]
     assert health["connected"] and health["num_errors"] > 0, health  # the outage was seen, and survived
+
+
+RESPONSE = {"model": MODEL, "max_output_tokens": 4, "temperature": 0}
+
+
+def test_stored_responses_are_shared_through_redis(base_url: str, redis_server: ThrowawayRedis) -> None:
+    """Another ingress replica (a store on the same Redis and prefix) reads what this one stored,
+    and this one continues what the other stored."""
+    import asyncio
+
+    from router.response_store import RedisResponseStore, StoredResponse
+
+    first = _post(base_url, "/v1/responses", {**RESPONSE, "input": "Count: one two three"}).json()
+    conversation = [{"role": "user", "content": "Count: one two three"},
+                    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "four"}]}]
+
+    async def other_ingress() -> StoredResponse | None:
+        other = RedisResponseStore(redis_server.url, 1000, prefix="reliability")
+        await other.put("resp_elsewhere", StoredResponse({"id": "resp_elsewhere"}, conversation))
+        return await other.get(first["id"])
+
+    assert asyncio.run(other_ingress()).response == first
+    follow = _post(base_url, "/v1/responses", {**RESPONSE, "input": "Again", "previous_response_id": "resp_elsewhere"})
+    whole = _post(base_url, "/v1/responses", {**RESPONSE, "store": False,
+                                              "input": [*conversation, {"role": "user", "content": "Again"}]})
+    assert follow.status_code == 200, follow.text
+    assert _text_and_usage(follow.json()) == _text_and_usage(whole.json()), (follow.text, whole.text)
+
+
+def _text_and_usage(response: dict) -> tuple[str, int]:
+    return response["output"][0]["content"][0]["text"], response["usage"]["input_tokens"]
+
+
+def test_stored_responses_while_redis_is_down(base_url: str, redis_server: ThrowawayRedis) -> None:
+    """Responses are answered and stored in the ingress while Redis is down, and continue there; one
+    stored before the outage is a 503 with Retry-After (it may exist), then readable once Redis is back."""
+    before = _post(base_url, "/v1/responses", {**RESPONSE, "input": "Before"}).json()["id"]
+    redis_server.stop("save")
+    try:
+        during = _post(base_url, "/v1/responses", {**RESPONSE, "input": "During"})
+        assert during.status_code == 200, during.text
+        follow = _post(base_url, "/v1/responses", {**RESPONSE, "input": "More",
+                                                    "previous_response_id": during.json()["id"]})
+        assert follow.status_code == 200, follow.text
+        r = requests.get(f"{base_url}/v1/responses/{before}", headers=AUTH, timeout=30)
+        assert _assert_openai_error(r, 503)["code"] == "service_unavailable" and r.headers["retry-after"]
+        r = _post(base_url, "/v1/responses", {**RESPONSE, "input": "x", "previous_response_id": before})
+        assert _assert_openai_error(r, 503, "previous_response_id")
+    finally:
+        redis_server.start()
+    wait_for(lambda: requests.get(f"{base_url}/v1/responses/{before}", headers=AUTH, timeout=30).status_code == 200,
+             "the stored response to be readable again", 30, every_s=0.5)
+    r = requests.get(f"{base_url}/v1/responses/{during.json()['id']}", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text  # still in the ingress that stored it
 
 
 def test_killed_replica_ends_in_flight_cleanly_and_new_requests_succeed(base_url: str) -> None:

@@ -830,21 +830,6 @@ def test_responses_call_functions_and_read_their_outputs(client, base_url: str) 
     assert set(json.loads(person.output_text)) == {"name"}
 
 
-def test_the_response_store_keeps_the_most_recently_used() -> None:
-    from router.response_store import ResponseStore, StoredResponse
-
-    store = ResponseStore(max_responses=2)
-    for name in ("a", "b"):
-        store.put(name, StoredResponse({"id": name}, []))
-    assert store.get("a") is not None  # now more recent than b
-    store.put("c", StoredResponse({"id": "c"}, []))
-    assert (len(store), store.get("b"), store.get("a").response) == (2, None, {"id": "a"})
-    assert store.delete("a") and not store.delete("a") and len(store) == 1
-    nothing = ResponseStore(max_responses=0)
-    nothing.put("a", StoredResponse({}, []))
-    assert len(nothing) == 0
-
-
 def test_responses_are_stored_continued_read_and_deleted(client, base_url: str) -> None:
     """A stored response's conversation goes on by `previous_response_id` as if the client had sent
     it whole (without the first's instructions, as OpenAI); a streamed one is stored too; GET reads

@@ -1,0 +1,109 @@
+"""The stored responses' backends: the ingress's memory and a shared Redis (the module-wide Redis
+at 127.0.0.1:6379, under a prefix of the test's own). The Serve app over HTTP is tested in
+test_serve (memory) and test_reliability (Redis, and its outage)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from policies.stats import RedisStats
+from router.response_store import (
+    MemoryResponseStore,
+    RedisResponseStore,
+    ResponseStore,
+    ResponseStoreUnavailable,
+    StoredResponse,
+    make_response_store,
+)
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    name = f"test-responses-{uuid.uuid4().hex[:8]}"
+    yield name
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=2)
+    keys = list(client.scan_iter(match=f"{{{name}}}:*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+def _redis_or_skip() -> None:
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_timeout=2).ping()
+    except redis.RedisError as e:
+        pytest.skip(f"no Redis at {REDIS_URL}: {e}")
+
+
+def _stores(kind: str, max_responses: int, prefix: str) -> tuple[ResponseStore, ResponseStore]:
+    """Two ingress replicas' stores: one shared Redis, or (memory) one store seen twice."""
+    if kind == "memory":
+        store = make_response_store(None, max_responses)
+        return store, store
+    _redis_or_skip()
+    return (make_response_store(REDIS_URL, max_responses, prefix=prefix),
+            make_response_store(REDIS_URL, max_responses, prefix=prefix))
+
+
+def _stored(name: str, turns: int = 0) -> StoredResponse:
+    return StoredResponse({"id": name, "output_text": "é ✓"}, [{"role": "user", "content": str(i)} for i in range(turns)])
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_the_least_recently_used_goes_first_whichever_replica_used_it(kind: str, prefix: str) -> None:
+    async def run() -> None:
+        one, other = _stores(kind, 2, prefix)
+        assert isinstance(one, RedisResponseStore if kind == "redis" else MemoryResponseStore)
+        await one.put("a", _stored("a", 3))
+        await other.put("b", _stored("b"))
+        assert await other.get("a") == _stored("a", 3)  # read back whole; now more recent than b
+        await one.put("c", _stored("c"))
+        assert (await one.get("b"), await other.get("b")) == (None, None)
+        assert (await one.get("a")).response == {"id": "a", "output_text": "é ✓"}
+        assert await other.delete("a") and not await one.delete("a") and await one.get("a") is None
+        assert await one.get("c") is not None
+        nothing, _ = _stores(kind, 0, f"{prefix}-none")
+        await nothing.put("a", _stored("a"))
+        assert await nothing.get("a") is None
+
+    asyncio.run(run())
+
+
+def test_a_stats_reset_leaves_the_stored_responses(prefix: str) -> None:
+    _redis_or_skip()
+    store = RedisResponseStore(REDIS_URL, 10, prefix=prefix)
+    asyncio.run(store.put("kept", _stored("kept")))
+    stats = RedisStats(REDIS_URL, prefix=prefix)
+    stats.reset()
+    assert asyncio.run(RedisResponseStore(REDIS_URL, 10, prefix=prefix).get("kept")) == _stored("kept")
+
+
+def test_a_dead_redis_keeps_responses_in_the_replica_and_says_what_it_cannot_read() -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = RedisResponseStore(f"redis://127.0.0.1:{port}/0", 10, timeout_s=0.5, retry_s=60)
+
+    async def run() -> None:
+        await store.put("here", _stored("here"))  # answered, kept locally
+        assert await store.get("here") == _stored("here")
+        with pytest.raises(ResponseStoreUnavailable):  # may be in the Redis that did not answer
+            await store.get("elsewhere")
+        with pytest.raises(ResponseStoreUnavailable):
+            await store.delete("elsewhere")
+        assert await store.delete("here")
+
+    asyncio.run(run())
+
+
+def test_a_prefix_must_not_break_the_hash_tag() -> None:
+    with pytest.raises(ValueError, match="braces"):
+        RedisResponseStore(REDIS_URL, 10, prefix="a}b")
