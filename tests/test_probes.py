@@ -120,3 +120,20 @@ def test_a_writer_that_fails_leaves_the_old_file_whole_and_no_temporary(tmp_path
         write_atomically(path, fails)
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["kept.json"]
+
+
+def test_a_float32_kernel_plan_is_kept_and_a_foreign_one_timed_again(cache_dir: Path) -> None:
+    from workers.models import llama
+
+    kernels = llama._available(torch.device("cpu"), torch.float32)
+    llama._kernel_plan.cache_clear()
+    plan = llama._kernel_plan(24, 32, kernels)
+    [kept] = (cache_dir / probes.PROBE_DIR).glob("*.json")
+    data = json.loads(kept.read_text())
+    [key] = [k for k in data if "_kernel_plan(24, 32," in k]
+    assert data[key] == list(plan) and set(plan) <= set(kernels)
+    data[key] = ["warp"] * len(plan)  # not a kernel: timed again, and the file mended
+    write_atomically(kept, lambda tmp: tmp.write_text(json.dumps(data)))
+    llama._kernel_plan.cache_clear()
+    assert set(llama._kernel_plan(24, 32, kernels)) <= set(kernels)
+    assert set(json.loads(kept.read_text())[key]) <= set(kernels)

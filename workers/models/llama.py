@@ -34,6 +34,7 @@ from transformers import PreTrainedModel
 from workers.models.base import LIBC, ForwardOutput, ModelInfo, SeqInput, TargetView, forward_each
 from workers.models.bf16 import Bf16Linear
 from workers.models.fp16 import Fp16Linear
+from workers.models.probes import kept_probe
 from workers.models.quant import Int4Linear, Int4Weight, dense_format
 from workers.tree import DraftTree
 
@@ -238,7 +239,9 @@ class _Layer:
 # A product's best kernel depends on the machine and on the number of rows (1 for a decode step,
 # 1 + k to verify a draft): MKL's packed GEMM wins on some Intel parts, oneDNN on AMD (measured
 # 3x on the lm_head at 8 rows, docs/benchmarks.md), for one row a plain x @ W_t or oneDNN.
-# So each weight shape is timed once per process on the kernels available, per row bucket.
+# So each weight shape is timed on the kernels available, per row bucket, once per machine: the
+# plan is kept with the kernel probes (workers/models/probes.py), so a restart neither pays the
+# timing again nor risks another plan from timing noise (a plan fixes a row's float32 rounding).
 _ROW_BUCKETS = (1, 3, 8, 17)  # representative rows; a product takes the bucket of the first >= its rows
 _KERNELS = ("stream", "dnnl", "mkl")
 _MARGIN = 0.85  # a later kernel must be this much faster than the one chosen so far
@@ -261,7 +264,14 @@ def _available(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     return tuple(kernels)
 
 
-@functools.cache
+def _decode_plan(value: list[str]) -> tuple[str, ...]:
+    plan = tuple(value)
+    if len(plan) != len(_ROW_BUCKETS) or not set(plan) <= set(_KERNELS):
+        raise ValueError(f"not a kernel plan: {value!r}")
+    return plan
+
+
+@kept_probe(encode=list, decode=_decode_plan)
 def _kernel_plan(out_features: int, in_features: int, kernels: tuple[str, ...]) -> tuple[str, ...]:
     """The fastest kernel per row bucket for this weight shape, timed on random data.
 

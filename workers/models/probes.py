@@ -8,6 +8,10 @@ bfloat16 shapes on an AVX-512 EPYC). So a probe's result is kept under
 `<cache dir>/probes/`, in a file keyed by all of those: a replica that starts again on the same
 machine and software reads it back, and any change (another CPU, thread count, torch, or an
 edit of the probing module) probes again. Set SPECROUTE_PROBE_CACHE=0 to probe in every process.
+
+Float32 products' kernel plans (workers/models/llama.py `_kernel_plan`: the fastest kernel per
+row count, timed) are kept the same way: besides the start-up time, a plan fixes how a row is
+rounded, so a restart keeps the outputs of the process before it.
 """
 
 from __future__ import annotations
