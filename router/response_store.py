@@ -156,10 +156,9 @@ class RedisResponseStore:
         return None if raw is None else StoredResponse(**json.loads(raw))
 
     async def delete(self, response_id: str) -> bool:
-        deleted_here = await self._local.delete(response_id)
+        if await self._local.delete(response_id):  # a response is put in one place: here or in Redis
+            return True
         if not self._may_try():
-            if deleted_here:
-                return True
             raise ResponseStoreUnavailable("the responses Redis is unreachable")
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
@@ -167,11 +166,9 @@ class RedisResponseStore:
                     self._used_key, response_id).execute()
         except _REDIS_ERRORS as e:
             self._failed(e)
-            if deleted_here:
-                return True
             raise ResponseStoreUnavailable(f"the responses Redis is unreachable: {type(e).__name__}") from None
         self._succeeded()
-        return deleted_here or num_deleted > 0
+        return num_deleted > 0
 
 
 def make_response_store(url: str | None, max_responses: int, *, prefix: str | None = None) -> ResponseStore:

@@ -2,8 +2,9 @@
 
 One app for the module, configured the way a production deployment would lock it down: an API key,
 an admin token, a small request-size limit, a bounded queue (one request at a time on the worker,
-one queued), and statistics and stored responses in a private Redis this module stops and restarts. Tests run in file
-order: the ones that break things (Redis outage, replica kill) come last.
+one queued), and statistics and stored responses in a private Redis this module stops and
+restarts. Tests run in file order: the ones that break things (Redis outages, replica kill) come
+last.
 """
 
 from __future__ import annotations
