@@ -843,7 +843,7 @@ class OpenAIIngress:
         observations = [Observation.from_json(a) for a in answers if isinstance(a, dict)]
         if not observations:
             raise APIError(503, f"no worker replica answered observe: {answers!r}", type="internal_error")
-        return combine(observations)
+        return replace(combine(observations), response_store=self.stored_responses.health())
 
     # -- helpers ------------------------------------------------------------------------------
     async def _max_model_len(self) -> int:

@@ -193,6 +193,18 @@ class SpecRouteCollector:
                                       "was full", labels=labels)
         dropped.add_metric([health.backend], health.num_dropped)
         yield from (connected, errors, pending, dropped)
+        if (responses := self.obs.response_store) is None:
+            return
+        connected = GaugeMetricFamily(f"{PREFIX}response_store_connected", "1 while the stored responses' store "
+                                      "answers", labels=labels)
+        connected.add_metric([responses.backend], int(responses.connected))
+        errors = CounterMetricFamily(f"{PREFIX}response_store_errors", "Failed operations of the stored responses' "
+                                     "Redis since the ingress started", labels=labels)
+        errors.add_metric([responses.backend], responses.num_errors)
+        local = GaugeMetricFamily(f"{PREFIX}response_store_local", "Stored responses in the ingress's memory "
+                                  "(redis: those stored while it was unreachable)", labels=labels)
+        local.add_metric([responses.backend], responses.num_local)
+        yield from (connected, errors, local)
 
 
 def _buckets(hist: Histogram) -> list[tuple[str, float]]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from policies.records import BatchingStats, StatsSnapshot
 from policies.stats import SeriesPoint, StoreHealth
+from router.response_store import ResponseStoreHealth
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Observation:
     batching: BatchingStats = BatchingStats()  # the replica's scheduler (replicas add up)
     # per drafter that learns from traffic (suffix): tokens held per domain, and its budget
     traffic_memory: Mapping[str, TrafficMemoryView] = field(default_factory=dict)
+    response_store: ResponseStoreHealth | None = None  # the ingress's stored responses (set by the ingress)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Observation:

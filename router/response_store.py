@@ -53,6 +53,14 @@ class StoredResponse:
     conversation: list[dict[str, Any]]  # input items: earlier turns, this request's input, its output
 
 
+@dataclass(frozen=True)
+class ResponseStoreHealth:
+    backend: str  # memory | redis
+    connected: bool  # False after a failed Redis operation, until one succeeds
+    num_errors: int  # failed Redis operations since the ingress started
+    num_local: int  # responses in the ingress's memory (redis: those stored while it was unreachable)
+
+
 class ResponseStoreUnavailable(RuntimeError):
     """The shared store did not answer and this replica does not hold the response."""
 
@@ -65,6 +73,8 @@ class ResponseStore(Protocol):
     async def get(self, response_id: str) -> StoredResponse | None: ...
 
     async def delete(self, response_id: str) -> bool: ...
+
+    def health(self) -> ResponseStoreHealth: ...
 
 
 class MemoryResponseStore:
@@ -86,6 +96,9 @@ class MemoryResponseStore:
 
     async def delete(self, response_id: str) -> bool:
         return self._responses.pop(response_id, None) is not None
+
+    def health(self) -> ResponseStoreHealth:
+        return ResponseStoreHealth("memory", connected=True, num_errors=0, num_local=len(self._responses))
 
 
 class RedisResponseStore:
@@ -112,11 +125,17 @@ class RedisResponseStore:
         self._put_script = client.register_script(_PUT_SCRIPT)
         self._local = MemoryResponseStore(max_responses)  # what Redis could not take
         self._retry_at = -math.inf
+        self._num_errors = 0
+
+    def health(self) -> ResponseStoreHealth:
+        return ResponseStoreHealth("redis", connected=self._retry_at == -math.inf, num_errors=self._num_errors,
+                                   num_local=self._local.health().num_local)
 
     def _may_try(self) -> bool:
         return time.monotonic() >= self._retry_at
 
     def _failed(self, error: Exception) -> None:
+        self._num_errors += 1
         if self._retry_at == -math.inf:
             log.warning("responses Redis unreachable, storing in this replica's memory: %s: %s",
                         type(error).__name__, error)

@@ -98,6 +98,7 @@ def stats_json(obs: Observation) -> dict[str, Any]:
         "window_s": obs.window_s,
         "degraded": obs.all_time.degraded or obs.window.degraded,
         "store": asdict(obs.store),
+        "response_store": None if obs.response_store is None else asdict(obs.response_store),
         "domains": {d: _domain(obs, d) for d in obs.domains},
         "drafters": list(obs.drafters),
         "series": series(obs),

@@ -289,6 +289,9 @@ def test_metrics_equal_the_sums_of_the_responses(base_url: str, traffic: list[di
     assert {s.labels["drafter"] for s in fams["specroute_draft_stage_seconds"]} <= DRAFTERS
     assert fams["specroute_stats_store_connected"][0].value == 1
     assert fams["specroute_stats_store_connected"][0].labels == {"backend": "redis"}
+    # stored responses: in the ingress's memory here (RESPONSES are chat completions: none stored)
+    assert [(s.labels, s.value) for s in fams["specroute_response_store_connected"]] == [({"backend": "memory"}, 1)]
+    assert fams["specroute_response_store_local"][0].value == 0
 
 
 def test_batching_metrics_count_the_steps(base_url: str, traffic: list[dict]) -> None:

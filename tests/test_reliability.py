@@ -23,6 +23,7 @@ import yaml
 from helpers import ThrowawayRedis, serve_tiny_app, throwaway_redis_server, wait_for
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
+from prometheus_client.parser import text_string_to_metric_families
 from schemathesis.checks import not_a_server_error
 
 from policies.paths import REPO_ROOT
@@ -503,12 +504,18 @@ def test_stored_responses_while_redis_is_down(base_url: str, redis_server: Throw
         assert _assert_openai_error(r, 503)["code"] == "service_unavailable" and r.headers["retry-after"]
         r = _post(base_url, "/v1/responses", {**RESPONSE, "input": "x", "previous_response_id": before})
         assert _assert_openai_error(r, 503, "previous_response_id")
+        health = _observe(base_url)["response_store"]
+        assert not health["connected"] and health["num_errors"] > 0 and health["num_local"] == 2, health
     finally:
         redis_server.start()
     wait_for(lambda: requests.get(f"{base_url}/v1/responses/{before}", headers=AUTH, timeout=30).status_code == 200,
              "the stored response to be readable again", 30, every_s=0.5)
     r = requests.get(f"{base_url}/v1/responses/{during.json()['id']}", headers=AUTH, timeout=30)
     assert r.status_code == 200, r.text  # still in the ingress that stored it
+    fams = {f.name: f.samples for f in text_string_to_metric_families(
+        requests.get(f"{base_url}/metrics", timeout=30).text)}
+    assert [(s.labels, s.value) for s in fams["specroute_response_store_connected"]] == [({"backend": "redis"}, 1)]
+    assert fams["specroute_response_store_errors"][0].value > 0 and fams["specroute_response_store_local"][0].value == 2
 
 
 def test_killed_replica_ends_in_flight_cleanly_and_new_requests_succeed(base_url: str) -> None:

@@ -70,6 +70,7 @@ def test_the_least_recently_used_goes_first_whichever_replica_used_it(kind: str,
         assert (await one.get("a")).response == {"id": "a", "output_text": "é ✓"}
         assert await other.delete("a") and not await one.delete("a") and await one.get("a") is None
         assert await one.get("c") is not None
+        assert one.health().connected and one.health().num_errors == 0
         nothing, _ = _stores(kind, 0, f"{prefix}-none")
         await nothing.put("a", _stored("a"))
         assert await nothing.get("a") is None
@@ -99,6 +100,8 @@ def test_a_dead_redis_keeps_responses_in_the_replica_and_says_what_it_cannot_rea
             await store.get("elsewhere")
         with pytest.raises(ResponseStoreUnavailable):
             await store.delete("elsewhere")
+        health = store.health()
+        assert (health.backend, health.connected, health.num_local) == ("redis", False, 1) and health.num_errors >= 1
         assert await store.delete("here")
 
     asyncio.run(run())
