@@ -56,7 +56,7 @@ from policies.records import (
 __all__ = [  # the value types live in policies.records and are re-exported here
     "DEFAULT_BUCKET_S", "DEFAULT_PREFIX", "DEFAULT_RETENTION_S", "PLAIN", "AcceptanceCounts", "CostStat",
     "MemoryStats", "RedisStats", "Record", "RequestRecord", "SeriesPoint", "ShadowRecord", "StatsSnapshot",
-    "StatsStore", "StepRecord", "StoreHealth", "context_bucket", "make_stats_store",
+    "StatsStore", "StepRecord", "StoreHealth", "context_bucket", "hash_tag", "make_stats_store",
 ]
 
 log = logging.getLogger(__name__)
@@ -359,6 +359,14 @@ class MemoryStats(StatsStore):
         return StoreHealth(self.backend, connected=True, num_errors=0, num_pending_local=0)
 
 
+def hash_tag(prefix: str) -> str:
+    """`{prefix}`: keys that start with it share one Redis Cluster slot, so one MULTI/EXEC or
+    script may touch them all."""
+    if not prefix or set(prefix) & set("{}"):
+        raise ValueError(f"prefix must be non-empty and without braces, got {prefix!r}")
+    return f"{{{prefix}}}"
+
+
 class RedisStats(StatsStore):
     """Counters in Redis, shared by every replica using the same prefix.
 
@@ -379,8 +387,6 @@ class RedisStats(StatsStore):
     def __init__(self, client: str | redis.Redis = "redis://127.0.0.1:6379/0", *, prefix: str = DEFAULT_PREFIX,
                  bucket_s: int = DEFAULT_BUCKET_S, retention_s: int = DEFAULT_RETENTION_S, timeout_s: float = 0.2,
                  retry_s: float = 1.0, max_pending: int = 100_000, clock: Clock = time.time) -> None:
-        if not prefix or set(prefix) & set("{}"):
-            raise ValueError(f"prefix must be non-empty and without braces, got {prefix!r}")
         if isinstance(client, str):
             # redis-py retries 10 times with backoff by default: far too long on a request path
             client = redis.Redis.from_url(client, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -388,7 +394,7 @@ class RedisStats(StatsStore):
         self._redis = client
         self._buckets_of = _Buckets(bucket_s, retention_s, clock)
         self._clock = clock
-        self._base = f"{{{prefix}}}:v{SCHEMA_VERSION}"
+        self._base = f"{hash_tag(prefix)}:v{SCHEMA_VERSION}"
         self._total_key = f"{self._base}:total"
         self.retry_s, self.max_pending = retry_s, max_pending
         self._lock = threading.Lock()

@@ -21,6 +21,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -29,7 +30,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from policies.stats import DEFAULT_PREFIX
+from policies.stats import DEFAULT_PREFIX, hash_tag
 
 log = logging.getLogger("specroute.responses")
 
@@ -111,8 +112,7 @@ class RedisResponseStore:
 
     def __init__(self, client: str | aioredis.Redis, max_responses: int, *, prefix: str = DEFAULT_PREFIX,
                  timeout_s: float = 1.0, retry_s: float = 1.0) -> None:
-        if not prefix or set(prefix) & set("{}"):
-            raise ValueError(f"prefix must be non-empty and without braces, got {prefix!r}")
+        tag = hash_tag(prefix)
         if isinstance(client, str):
             # redis-py retries with backoff by default: far too long on a request path
             client = aioredis.Redis.from_url(client, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -120,8 +120,8 @@ class RedisResponseStore:
         self._redis = client
         self.max_responses = max_responses
         self.retry_s = retry_s
-        self._items_key = f"{{{prefix}}}:responses:v1:items"
-        self._used_key = f"{{{prefix}}}:responses:v1:used"
+        self._items_key = f"{tag}:responses:v1:items"
+        self._used_key = f"{tag}:responses:v1:used"
         self._put_script = client.register_script(_PUT_SCRIPT)
         self._local = MemoryResponseStore(max_responses)  # what Redis could not take
         self._retry_at = -math.inf
@@ -162,32 +162,30 @@ class RedisResponseStore:
         local = await self._local.get(response_id)
         if local is not None:
             return local
-        if not self._may_try():
-            raise ResponseStoreUnavailable("the responses Redis is unreachable")
-        try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                raw, _ = await pipe.hget(self._items_key, response_id).zadd(
-                    self._used_key, {response_id: time.time()}, xx=True).execute()
-        except _REDIS_ERRORS as e:
-            self._failed(e)
-            raise ResponseStoreUnavailable(f"the responses Redis is unreachable: {type(e).__name__}") from None
-        self._succeeded()
+        raw, _ = await self._transaction(lambda pipe: pipe.hget(self._items_key, response_id).zadd(
+            self._used_key, {response_id: time.time()}, xx=True))
         return None if raw is None else StoredResponse(**json.loads(raw))
 
     async def delete(self, response_id: str) -> bool:
         if await self._local.delete(response_id):  # a response is put in one place: here or in Redis
             return True
+        num_deleted, _ = await self._transaction(
+            lambda pipe: pipe.hdel(self._items_key, response_id).zrem(self._used_key, response_id))
+        return num_deleted > 0
+
+    async def _transaction(self, commands: Callable[[aioredis.client.Pipeline], aioredis.client.Pipeline]) -> list[Any]:
+        """The results of one MULTI/EXEC of `commands`; ResponseStoreUnavailable where Redis is
+        not tried (a recent failure) or fails."""
         if not self._may_try():
             raise ResponseStoreUnavailable("the responses Redis is unreachable")
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
-                num_deleted, _ = await pipe.hdel(self._items_key, response_id).zrem(
-                    self._used_key, response_id).execute()
+                results = await commands(pipe).execute()
         except _REDIS_ERRORS as e:
             self._failed(e)
             raise ResponseStoreUnavailable(f"the responses Redis is unreachable: {type(e).__name__}") from None
         self._succeeded()
-        return num_deleted > 0
+        return results
 
 
 def make_response_store(url: str | None, max_responses: int, *, prefix: str | None = None) -> ResponseStore:
