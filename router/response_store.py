@@ -6,8 +6,9 @@ Two backends:
     API server; a restart or a redeploy forgets them.
   * `RedisResponseStore` (`responses_url`): a Redis that every ingress replica shares, which
     outlives them. When that Redis fails, a response is kept in the replica's memory instead,
-    so answering never fails on the store; reading one that is in neither raises
-    `ResponseStoreUnavailable` (it may be in the Redis that did not answer).
+    so answering never fails on the store, and moved to Redis once it answers again; reading
+    one that is in neither raises `ResponseStoreUnavailable` (it may be in the Redis that did
+    not answer).
 
 A stored response keeps its conversation whole (the earlier turns' items, its own input items,
 then its output items), so a request that continues it is its conversation plus the new input:
@@ -16,6 +17,7 @@ the next turn's prompt starts with the last one's, which the target replicas' pr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -36,11 +38,14 @@ log = logging.getLogger("specroute.responses")
 
 _REDIS_ERRORS = (redis.RedisError, OSError)
 
-# put: store the response, mark it used now, drop the least recently used beyond the bound
+# put: store responses (ARGV[2..]: id, JSON, last use; repeated), then drop the least recently used
+# beyond the bound (ARGV[1])
 _PUT_SCRIPT = """
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
-local excess = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[4])
+for i = 2, #ARGV, 3 do
+  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  redis.call('ZADD', KEYS[2], ARGV[i + 2], ARGV[i])
+end
+local excess = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[1])
 if excess > 0 then
   local old = redis.call('ZPOPMIN', KEYS[2], excess)
   for i = 1, #old, 2 do redis.call('HDEL', KEYS[1], old[i]) end
@@ -98,6 +103,10 @@ class MemoryResponseStore:
     async def delete(self, response_id: str) -> bool:
         return self._responses.pop(response_id, None) is not None
 
+    def items(self) -> list[tuple[str, StoredResponse]]:
+        """Every stored response, the least recently used first."""
+        return list(self._responses.items())
+
     def health(self) -> ResponseStoreHealth:
         return ResponseStoreHealth("memory", connected=True, num_errors=0, num_local=len(self._responses))
 
@@ -108,7 +117,8 @@ class RedisResponseStore:
     The statistics' reset (`{prefix}:v1:*`) leaves them alone.
 
     After a failure Redis is not tried again for `retry_s`: meanwhile responses go to, and are
-    read from, the replica's memory (bounded alike), so a dead Redis costs a request nothing."""
+    read from, the replica's memory (bounded alike), so a dead Redis costs a request nothing.
+    The first operation that reaches Redis again moves them there, for every replica to read."""
 
     def __init__(self, client: str | aioredis.Redis, max_responses: int, *, prefix: str = DEFAULT_PREFIX,
                  timeout_s: float = 1.0, retry_s: float = 1.0) -> None:
@@ -124,6 +134,7 @@ class RedisResponseStore:
         self._used_key = f"{tag}:responses:v1:used"
         self._put_script = client.register_script(_PUT_SCRIPT)
         self._local = MemoryResponseStore(max_responses)  # what Redis could not take
+        self._moving = asyncio.Lock()  # held while the local responses move to Redis
         self._retry_at = -math.inf
         self._num_errors = 0
 
@@ -141,20 +152,43 @@ class RedisResponseStore:
                         type(error).__name__, error)
         self._retry_at = time.monotonic() + self.retry_s
 
-    def _succeeded(self) -> None:
+    async def _succeeded(self) -> None:
         if self._retry_at != -math.inf:
             log.info("responses Redis reachable again")
         self._retry_at = -math.inf
+        if self._local.items() and not self._moving.locked():
+            await self._move_local()
+
+    async def _move_local(self) -> None:
+        """Move the responses stored here while Redis was unreachable into it, in one call that
+        keeps their order of use. `delete` waits for the move, so what it deletes stays deleted."""
+        async with self._moving:
+            items = self._local.items()
+            try:
+                await self._store(items)
+            except _REDIS_ERRORS as e:
+                self._failed(e)
+                return
+            for response_id, _ in items:
+                await self._local.delete(response_id)
+            log.info("moved %d responses stored in this replica's memory to Redis", len(items))
+
+    async def _store(self, items: list[tuple[str, StoredResponse]]) -> None:
+        """Put `items` (the least recently used first) in Redis, marked used now in that order."""
+        now = time.time()
+        args: list[str | float | int] = [self.max_responses]
+        for i, (response_id, stored) in enumerate(items):
+            args += [response_id, json.dumps(asdict(stored)), now - 1e-3 * (len(items) - 1 - i)]
+        await self._put_script(keys=[self._items_key, self._used_key], args=args)
 
     async def put(self, response_id: str, stored: StoredResponse) -> None:
         if self._may_try():
             try:
-                await self._put_script(keys=[self._items_key, self._used_key],
-                                       args=[response_id, json.dumps(asdict(stored)), time.time(), self.max_responses])
+                await self._store([(response_id, stored)])
             except _REDIS_ERRORS as e:
                 self._failed(e)
             else:
-                self._succeeded()
+                await self._succeeded()
                 return
         await self._local.put(response_id, stored)
 
@@ -167,8 +201,9 @@ class RedisResponseStore:
         return None if raw is None else StoredResponse(**json.loads(raw))
 
     async def delete(self, response_id: str) -> bool:
-        if await self._local.delete(response_id):  # a response is put in one place: here or in Redis
-            return True
+        async with self._moving:
+            if await self._local.delete(response_id):  # a response is in one place: here or in Redis
+                return True
         num_deleted, _ = await self._transaction(
             lambda pipe: pipe.hdel(self._items_key, response_id).zrem(self._used_key, response_id))
         return num_deleted > 0
@@ -184,7 +219,7 @@ class RedisResponseStore:
         except _REDIS_ERRORS as e:
             self._failed(e)
             raise ResponseStoreUnavailable(f"the responses Redis is unreachable: {type(e).__name__}") from None
-        self._succeeded()
+        await self._succeeded()
         return results
 
 

@@ -437,6 +437,8 @@ def test_grafana_dashboard_queries_existing_metrics(base_url: str, traffic: list
                 "specroute_e2e_request_latency_seconds_bucket", "specroute_draft_stage_seconds_bucket",
                 "specroute_verify_stage_seconds_bucket", "specroute_stats_store_connected"}
     assert contract <= used
+    assert {"specroute_response_store_connected", "specroute_response_store_errors_total",
+            "specroute_response_store_local"} <= used
     assert {"specroute_prefix_cache_hits_total", "specroute_prefix_cache_queries_total",
             "specroute_num_preemptions_total", "specroute_prefix_cache_tokens", "specroute_prompt_tokens_total",
             "specroute_generation_tokens_total", "specroute_kv_cache_usage_perc",
@@ -451,7 +453,8 @@ def test_prometheus_config_and_alert_rules(base_url: str, traffic: list[dict]) -
     rules_path = REPO / "deploy" / config["rule_files"][0]
     rules = [r for g in yaml.safe_load(rules_path.read_text())["groups"] for r in g["rules"]]
     alerts = {r["alert"]: r for r in rules}
-    assert {"SpecRouteAcceptanceRateDrop", "SpecRouteFallbackSurge", "SpecRouteStatsStoreDisconnected"} <= set(alerts)
+    assert {"SpecRouteAcceptanceRateDrop", "SpecRouteFallbackSurge", "SpecRouteStatsStoreDisconnected",
+            "SpecRouteResponseStoreDisconnected"} <= set(alerts)
     exposed = _exposed_names(_scrape_text(base_url))
     for rule in rules:
         used = set(METRIC.findall(rule["expr"]))

@@ -8,15 +8,18 @@ import asyncio
 import socket
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
+from helpers import throwaway_redis_server
 
 from policies.stats import RedisStats
 from router.response_store import (
     MemoryResponseStore,
     RedisResponseStore,
     ResponseStore,
+    ResponseStoreHealth,
     ResponseStoreUnavailable,
     StoredResponse,
     make_response_store,
@@ -105,6 +108,27 @@ def test_a_dead_redis_keeps_responses_in_the_replica_and_says_what_it_cannot_rea
         assert await store.delete("here")
 
     asyncio.run(run())
+
+
+def test_responses_kept_in_the_replica_move_to_redis_when_it_answers_again(tmp_path: Path) -> None:
+    with throwaway_redis_server(tmp_path) as server:
+        store = RedisResponseStore(server.url, 10, timeout_s=0.5, retry_s=0)
+        other = RedisResponseStore(server.url, 10)
+
+        async def run() -> None:
+            await store.put("before", _stored("before"))
+            server.stop("save")
+            await store.put("a", _stored("a", 2))
+            await store.put("b", _stored("b"))
+            assert store.health().num_local == 2 and not store.health().connected
+            server.start()
+            await store.put("after", _stored("after"))  # reaches Redis, and moves a and b there
+            assert store.health() == ResponseStoreHealth("redis", connected=True, num_errors=2, num_local=0)
+            for name, turns in (("before", 0), ("a", 2), ("b", 0), ("after", 0)):
+                assert await other.get(name) == _stored(name, turns)
+            assert await store.delete("a") and await other.get("a") is None  # deleted in Redis
+
+        asyncio.run(run())
 
 
 def test_a_prefix_must_not_break_the_hash_tag() -> None:
