@@ -8,12 +8,15 @@ a numerics artefact; a wide gap at the first difference is a bug.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from bench.records import Mismatch, RunRecord
 from bench.summary import PLAIN_METHOD, reference_method
+
+if TYPE_CHECKING:  # its import takes seconds; only the hf peers load a transformers model
+    from transformers import PreTrainedModel
 
 NEAR_TIE = 1e-3
 

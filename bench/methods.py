@@ -22,10 +22,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig
 
 from bench.llama_cpp import MODES as LLAMA_CPP_MODES
 from bench.llama_cpp import LlamaCppMethod, check_llama_cpp
@@ -39,6 +39,9 @@ from workers.routing import Router
 from workers.routing import generate as route
 from workers.sampling import SamplingParams
 from workers.target import gguf_file
+
+if TYPE_CHECKING:  # its import takes seconds; only the hf peers load a transformers model
+    from transformers import PreTrainedModel
 
 HF_METHODS = ("hf", "hf-pld", "hf-assisted")
 ROUTER_METHOD = "router"

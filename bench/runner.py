@@ -14,10 +14,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
-from transformers import PreTrainedModel
 
 from bench.concurrency import (
     PLAIN_METHODS,
@@ -53,6 +53,9 @@ from workers.engine import SpecEngine
 from workers.routing import Router, measure_batch_cost, measure_costs
 from workers.sampling import SamplingParams
 from workers.target import gguf_file, load_hf
+
+if TYPE_CHECKING:  # its import takes seconds; only the hf peers load a transformers model
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 

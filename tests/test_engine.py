@@ -21,7 +21,7 @@ from workers.config import EngineConfig, ModelConfig, ModelDrafterConfig, NgramD
 from workers.drafters.base import Draft, DraftContext
 from workers.drafters.model import ModelDrafter
 from workers.engine import PLAIN, Generation, GenerationResult, RequestError, SpecEngine, StepStats
-from workers.models.llama import FastLlama
+from workers.models.llama import FastLlama, LlamaWeights
 from workers.sampling import SamplingParams
 from workers.shadows import CheapDrafters, ShadowScore
 from workers.target import eos_token_ids, load_hf
@@ -124,7 +124,7 @@ def perturbed_drafter(tiny_llama_dir: Path) -> ModelDrafter:
         for name, p in hf_model.named_parameters():
             if "layers.1.mlp" in name or "layers.1.self_attn.o_proj" in name:
                 p.add_(torch.randn(p.shape, generator=g) * 0.15 * p.std())
-    model = FastLlama(hf_model, eos_token_ids(hf_model, tokenizer))
+    model = FastLlama(LlamaWeights.of(hf_model), eos_token_ids(hf_model.generation_config, tokenizer))
     config = ModelDrafterConfig(name="perturbed", model=ModelConfig(model=str(tiny_llama_dir)), draft_len=3)
     return ModelDrafter(config, model)
 

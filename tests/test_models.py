@@ -18,7 +18,7 @@ from workers.config import GenerationDefaults, ModelConfig, ModelDrafterConfig, 
 from workers.drafters import registry
 from workers.models import llama
 from workers.models.hf import HFCausalLM
-from workers.models.llama import FastLlama
+from workers.models.llama import FastLlama, LlamaWeights
 from workers.target import (
     ModelLoadError,
     eos_token_ids,
@@ -50,8 +50,8 @@ TEXT = "The quick brown fox jumps over the lazy dog, then naps in the warm after
 def tiny_pair(tiny_llama_dir: Path):
     """FastLlama and HFCausalLM over the very same transformers model, and the tokenizer."""
     hf_model, tokenizer, _ = load_hf(ModelConfig(model=str(tiny_llama_dir)))
-    eos = eos_token_ids(hf_model, tokenizer)
-    return FastLlama(hf_model, eos), HFCausalLM(hf_model, eos), tokenizer
+    eos = eos_token_ids(hf_model.generation_config, tokenizer)
+    return FastLlama(LlamaWeights.of(hf_model), eos), HFCausalLM(hf_model, eos), tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def real_pair(real_engine):
     """The real target: the engine's FastLlama and transformers' model from the same directory."""
     fast = real_engine.target.model
     hf_model, tokenizer, _ = load_hf(ModelConfig(model=str(real_engine.target.source_dir)))
-    return fast, HFCausalLM(hf_model, eos_token_ids(hf_model, tokenizer)), tokenizer
+    return fast, HFCausalLM(hf_model, eos_token_ids(hf_model.generation_config, tokenizer)), tokenizer
 
 
 def compare_backends(fast: FastLlama, hf: HFCausalLM, ids: torch.Tensor) -> None:
@@ -245,6 +245,68 @@ def test_non_llama_architecture(tmp_path: Path, tiny_llama_dir: Path) -> None:
     assert loaded.model.forward(ids, loaded.model.new_cache(8)).logits.shape == (len(ids), len(tokenizer))
     with pytest.raises(ModelLoadError, match="fast"):
         load_model(ModelConfig(model=str(tmp_path), backend="fast"))
+
+
+# ---------------------------------------------------------------------------------------------
+# loading a Llama directory's safetensors without transformers' modeling code
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 256, "rope_theta": 500000.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0},
+])
+def test_rotary_frequencies_are_transformers_llamas(rope: dict) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=1024, rope_parameters=rope)
+    module = LlamaRotaryEmbedding(config)
+    inv_freq, scaling = llama.rotary_frequencies(config)
+    assert torch.equal(inv_freq, module.inv_freq.float()) and scaling == module.attention_scaling
+
+
+def _logits_of(model: FastLlama, ids: torch.Tensor) -> torch.Tensor:
+    return model.forward(ids, model.new_cache(len(ids) + 1)).logits
+
+
+def test_a_llama_directory_is_read_as_transformers_loads_it(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The safetensors read (one file, or shards with their index) computes what the model
+    transformers loads computes, bit for bit; names FastLlama does not read fall back to
+    transformers, which loads them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf_model, tokenizer, _ = load_hf(ModelConfig(model=str(tiny_llama_dir)))
+    ids = token_ids(tokenizer, TEXT)
+    expected = _logits_of(FastLlama(LlamaWeights.of(hf_model), frozenset()), ids)
+    read = load_model(ModelConfig(model=str(tiny_llama_dir)))
+    assert torch.equal(_logits_of(read.model, ids), expected)
+    assert read.model.info.eos_token_ids == eos_token_ids(hf_model.generation_config, tokenizer)
+
+    sharded = tmp_path / "sharded"
+    hf_model.save_pretrained(sharded, max_shard_size="200KB")
+    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(sharded)
+    assert len(list(sharded.glob("*.safetensors"))) > 1 and (sharded / "model.safetensors.index.json").is_file()
+    assert torch.equal(_logits_of(load_model(ModelConfig(model=str(sharded))).model, ids), expected)
+
+    base = tmp_path / "base-model"  # a LlamaModel checkpoint: no "model." prefix, which transformers adds
+    AutoModelForCausalLM.from_pretrained(tiny_llama_dir).model.save_pretrained(base)
+    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(base)
+    assert torch.equal(_logits_of(load_model(ModelConfig(model=str(base))).model, ids), expected)
+
+
+def test_loading_a_llama_directory_imports_no_modeling_code(tiny_llama_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; from workers.config import ModelConfig; from workers.target import load_model; "
+            f"load_model(ModelConfig(model={str(tiny_llama_dir)!r})); "
+            "print('transformers.modeling_utils' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
 
 
 # ---------------------------------------------------------------------------------------------

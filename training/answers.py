@@ -145,7 +145,7 @@ def generate_answers(
             continue
         encoded += [(row, i, ids) for i in todo]
     encoded.sort(key=lambda r: len(r[2]))
-    eos = sorted(eos_token_ids(model, tokenizer))
+    eos = sorted(eos_token_ids(model.generation_config, tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else \
         {"do_sample": False}  # no top-k / top-p truncation: only the temperature reshapes the target's distribution

@@ -1,7 +1,10 @@
 """Loading causal LMs (target or drafter) from a Hugging Face id, a directory or a GGUF file.
 
 A GGUF file is dequantised by transformers once and saved as safetensors + tokenizer under the
-cache directory, keyed by the file's content hash, so later loads take about a second.
+cache directory, keyed by the file's content hash, so later loads take about a second. A Llama
+checkpoint in a directory, that one included, is read for the fast backend from its safetensors
+files without transformers' modeling code, whose import alone takes ~3 s of a process's start on
+a 2-core CPU; anything else loads through transformers.
 
 A drafter distilled for a target (training/model.py) is an ordinary Llama directory that may
 leave out its embeddings: they are the target's, frozen, so config.json says
@@ -22,13 +25,20 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import ValidationError
 from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 from transformers.initialization import no_init_weights
 from transformers.utils import logging as hf_logging
 
@@ -38,13 +48,17 @@ from workers.config import GenerationDefaults, ModelConfig, TargetConfig, defaul
 from workers.models import bf16, hf, llama, quant
 from workers.models.base import CausalLM
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHARED_EMBEDDINGS_KEY = "specroute_shared_embeddings"  # config.json: the embeddings are the target's
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 INT4_BLOCKS_FILE = "int4_blocks.safetensors"  # a GGUF's layer blocks beside its converted model
-WEIGHTS_FILE = "model.safetensors"  # a sharing model's weights: one file (they are small)
+WEIGHTS_FILE = "model.safetensors"  # a checkpoint's weights in one file (a sharing model's: always)
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"  # a checkpoint's weights in shards: which tensor where
 EMBEDDING_KEY = "model.embed_tokens.weight"
 _SHARED_KEYS = frozenset({EMBEDDING_KEY, "lm_head.weight"})  # left out of a sharing model's weights
 
@@ -150,9 +164,9 @@ def resolve_device_dtype(cfg: ModelConfig) -> tuple[torch.device, torch.dtype]:
     return device, _DTYPES[cfg.dtype]
 
 
-def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+def eos_token_ids(generation_config: GenerationConfig, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    gen_eos = getattr(generation_config, "eos_token_id", None)
     ids |= set(gen_eos) if isinstance(gen_eos, list) else ({gen_eos} if gen_eos is not None else set())
     return frozenset(ids)
 
@@ -179,14 +193,31 @@ def read_draft_vocab(source: Path | str) -> torch.Tensor | None:
     return load_file(str(path))["draft_vocab"].long() if path.is_file() else None
 
 
-def _load_sharing(cfg: ModelConfig, source: Path, dtype: torch.dtype, embeddings: torch.Tensor) -> PreTrainedModel:
-    """A model whose weights lack the embeddings, completed with `embeddings` (shared, frozen)."""
-    hf_config = AutoConfig.from_pretrained(source)
-    want = (hf_config.vocab_size, hf_config.hidden_size)
+def _embeddings_to_share(
+    cfg: ModelConfig, source: Path | str, config: PretrainedConfig, embeddings: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """The target's `embeddings` where the model at `source` shares them (checked against its
+    config), None where it has its own."""
+    if not shares_embeddings(source):
+        return None
+    if embeddings is None:
+        raise ModelLoadError(f"model {cfg.model!r} shares its target's embeddings ({SHARED_EMBEDDINGS_KEY} "
+                             "in its config.json): load it as a drafter of that target")
+    want = (config.vocab_size, config.hidden_size)
     if tuple(embeddings.shape) != want:
         raise ModelLoadError(f"model {cfg.model!r}: vocabulary size {want[0]} and hidden size {want[1]} do not "
                              f"match the target's embeddings, vocabulary size {embeddings.shape[0]} and hidden size "
                              f"{embeddings.shape[1]}")
+    return embeddings
+
+
+def _load_sharing(
+    cfg: ModelConfig, source: Path, dtype: torch.dtype, embeddings: torch.Tensor | None,
+) -> PreTrainedModel:
+    """A model whose weights lack the embeddings, completed with `embeddings` (shared, frozen)."""
+    hf_config = AutoConfig.from_pretrained(source)
+    embeddings = _embeddings_to_share(cfg, source, hf_config, embeddings)
+    assert embeddings is not None  # the model shares them
     weights = source / WEIGHTS_FILE
     if not weights.is_file():
         raise ModelLoadError(f"model {cfg.model!r}: no weights at {weights}")
@@ -225,9 +256,6 @@ def load_hf(
     device, dtype = resolve_device_dtype(cfg)
     try:
         if shares_embeddings(source):
-            if embeddings is None:
-                raise ModelLoadError(f"model {cfg.model!r} shares its target's embeddings ({SHARED_EMBEDDINGS_KEY} "
-                                     "in its config.json): load it as a drafter of that target")
             model = _load_sharing(cfg, Path(source), dtype, embeddings)
         else:
             with _no_progress_bar():
@@ -236,6 +264,63 @@ def load_hf(
     except OSError as e:  # offline and not cached, or not a model
         raise ModelLoadError(f"model {cfg.model!r}: {e}") from None
     return model.to(device).eval(), tokenizer, source
+
+
+def _read_config(cfg: ModelConfig, source: Path | str) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(source)
+    except OSError as e:  # offline and not cached, or not a model
+        raise ModelLoadError(f"model {cfg.model!r}: {e}") from None
+
+
+def _read_tokenizer_and_generation(
+    cfg: ModelConfig, source: Path | str,
+) -> tuple[PreTrainedTokenizerBase, GenerationConfig]:
+    """The tokenizer and the generation config, as transformers' from_pretrained finds them (a
+    model without generation_config.json takes one made from its config.json)."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        try:
+            generation = GenerationConfig.from_pretrained(source)
+        except OSError:
+            generation = GenerationConfig.from_pretrained(source, config_file_name="config.json",
+                                                          _from_model_config=True)
+    except OSError as e:
+        raise ModelLoadError(f"model {cfg.model!r}: {e}") from None
+    return tokenizer, generation
+
+
+def _checkpoint_files(source: Path) -> list[Path] | None:
+    """A directory's safetensors weight files, as transformers finds them: the shards its index
+    names, or the one file; None where it has neither."""
+    index = source / WEIGHTS_INDEX_FILE
+    if index.is_file():
+        return sorted({source / name for name in json.loads(index.read_text())["weight_map"].values()})
+    single = source / WEIGHTS_FILE
+    return [single] if single.is_file() else None
+
+
+def _read_llama(
+    cfg: ModelConfig, source: Path | str, config: PretrainedConfig, embeddings: torch.Tensor | None,
+) -> llama.LlamaWeights | None:
+    """The checkpoint's tensors in the configured dtype and device, read from its safetensors files;
+    None where the model is not a local directory of them under the names FastLlama reads (a hub
+    id, other files or names): transformers loads those. `embeddings`: as for load_hf."""
+    if not isinstance(source, Path) or (files := _checkpoint_files(source)) is None:
+        return None
+    shared = _embeddings_to_share(cfg, source, config, embeddings)
+    tied = shared is not None or config.tie_word_embeddings
+    names = llama.tensor_names(config, tied)
+    device, dtype = resolve_device_dtype(cfg)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            tensors |= {k: f.get_tensor(k).to(device=device, dtype=dtype) for k in f.keys() if k in names}
+    if shared is not None:
+        tensors[EMBEDDING_KEY] = shared.to(device=device, dtype=dtype)  # no copy where they match
+    if names - tensors.keys():
+        return None
+    return llama.LlamaWeights.of_tensors(config, tensors)
 
 
 def read_chat_template(value: str) -> str:
@@ -254,27 +339,35 @@ def read_chat_template(value: str) -> str:
 
 def load_model(cfg: ModelConfig, embeddings: torch.Tensor | None = None) -> LoadedModel:
     """`embeddings`: as for load_hf. A draft vocabulary in the directory applies on the fast backend."""
-    hf_model, tokenizer, source = load_hf(cfg, embeddings)
+    source = resolve_source(cfg)
+    config = _read_config(cfg, source)
+    use_fast = cfg.backend == "fast" or (cfg.backend == "auto" and llama.supports(config))
+    if use_fast and not llama.supports(config):
+        raise ModelLoadError(f"model {cfg.model!r}: backend 'fast' does not support this architecture")
+    weights = _read_llama(cfg, source, config, embeddings) if use_fast else None
+    if weights is not None:
+        tokenizer, generation = _read_tokenizer_and_generation(cfg, source)
+    else:
+        hf_model, tokenizer, _ = load_hf(cfg, embeddings)
+        generation = hf_model.generation_config
+        weights = llama.LlamaWeights.of(hf_model) if use_fast else None
     if isinstance(cfg, TargetConfig) and cfg.chat_template is not None:
         tokenizer.chat_template = read_chat_template(cfg.chat_template)
-    eos = eos_token_ids(hf_model, tokenizer)
-    use_fast = cfg.backend == "fast" or (cfg.backend == "auto" and llama.supports(hf_model.config))
-    if use_fast and not llama.supports(hf_model.config):
-        raise ModelLoadError(f"model {cfg.model!r}: backend 'fast' does not support this architecture")
+    eos = eos_token_ids(generation, tokenizer)
     vocab = read_draft_vocab(source) if isinstance(source, Path) and use_fast else None
-    size = hf_model.get_input_embeddings().weight.shape[0]
+    size = config.vocab_size
     if vocab is not None and (vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= size):
         raise ModelLoadError(f"{Path(source) / DRAFT_VOCAB_FILE}: token ids must be in 0..{size - 1} "
                              f"(the vocabulary size is {size}), and there must be at least one")
-    quantized, bfloat16 = _weight_format(cfg, hf_model, use_fast, source)
+    quantized, bfloat16 = _weight_format(cfg, config, use_fast, source)
     shared = embeddings is not None
     dense_prefill = cfg.dense_prefill if isinstance(cfg, TargetConfig) else True
-    model: CausalLM = (llama.FastLlama(hf_model, eos, vocab, quantized, bfloat16, shared_embeddings=shared,
+    model: CausalLM = (llama.FastLlama(weights, eos, vocab, quantized, bfloat16, shared_embeddings=shared,
                                        dense_prefill=dense_prefill)
-                       if use_fast else hf.HFCausalLM(hf_model, eos))
+                       if weights is not None else hf.HFCausalLM(hf_model, eos))
     name = Path(cfg.model).stem if cfg.model.startswith("pkg:") else str(cfg.model)
     is_target = isinstance(cfg, TargetConfig)
-    defaults = sampling_defaults(cfg, hf_model.generation_config.to_diff_dict()) if is_target else {}
+    defaults = sampling_defaults(cfg, generation.to_diff_dict()) if is_target else {}
     return LoadedModel(model=model, tokenizer=tokenizer, source_dir=source, name=name, draft_vocab=vocab,
                        sampling_defaults=defaults)
 
@@ -298,7 +391,7 @@ def sampling_defaults(cfg: TargetConfig, generation_config: Mapping[str, Any]) -
 
 
 def _weight_format(
-    cfg: ModelConfig, hf_model: PreTrainedModel, use_fast: bool, source: Path | str,
+    cfg: ModelConfig, config: PretrainedConfig, use_fast: bool, source: Path | str,
 ) -> tuple[dict[str, quant.Int4Weight] | None, bool]:
     """The products' weights `target.weights` asks for: the file's int4 blocks, or whether to
     compute in bfloat16; (None, False) is float32 (or the model's dtype). `source`: the model's
@@ -311,7 +404,7 @@ def _weight_format(
         if not (use_fast and on_cpu):
             return None, False
         try:  # the most compact: the file's own 4-bit blocks, where it has them
-            return _read_quantized(cfg, hf_model, source), False
+            return _read_quantized(cfg, config, source), False
         except ModelLoadError:
             return None, bf16.bfloat16_fast(torch.device("cpu"))
     if not use_fast:
@@ -320,7 +413,7 @@ def _weight_format(
         raise ModelLoadError(f"weights {weights!r} runs on CPU; on {cfg.device} use weights 'float32' "
                              "with dtype bfloat16")
     if weights == "int4":
-        return _read_quantized(cfg, hf_model, source), False
+        return _read_quantized(cfg, config, source), False
     if not bf16.bfloat16_available(torch.device("cpu")):
         raise ModelLoadError("weights 'bfloat16' needs oneDNN's bfloat16 product, which this torch build or CPU "
                              "lacks (it needs AVX-512 or AVX-NE-CONVERT); weights 'int4' or 'float32' run here")
@@ -330,13 +423,12 @@ def _weight_format(
     return None, True
 
 
-def _read_quantized(cfg: TargetConfig, hf_model: PreTrainedModel, source: Path | str) -> dict[str, quant.Int4Weight]:
+def _read_quantized(cfg: TargetConfig, c: PretrainedConfig, source: Path | str) -> dict[str, quant.Int4Weight]:
     """The GGUF file's layer blocks: from the converted directory's blocks file after the first
     read (the directory is keyed by the file's content), else from the file, then kept there."""
     path = _model_path(cfg)
     if path.suffix != ".gguf":
         raise ModelLoadError(f"model {cfg.model!r}: weights 'int4' needs a .gguf file with Q4_0 or Q4_1 layers")
-    c = hf_model.config
     kept = Path(source) / INT4_BLOCKS_FILE
     weights = quant.load_int4(kept)
     if weights is not None and len(weights) == len(quant.LAYER_TENSORS) * c.num_hidden_layers:  # whole

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 
 from workers.models.base import ForwardOutput, ModelInfo
 from workers.tree import DraftTree
+
+if TYPE_CHECKING:  # its import takes seconds; the model is loaded by then
+    from transformers import PreTrainedModel
 
 
 class HFKVCache:

@@ -8,8 +8,9 @@ Why not transformers' own forward: a verify step must cost little more than a pl
     contiguous weight (`x @ W_t`), a verify step of 3+ rows uses MKL's packed GEMM;
   * batched and row-invariant attention runs over the key/value heads, the query heads sharing
     one as rows of its call (`_grouped`).
-Weights come from a loaded transformers model, so every checkpoint format it reads works here;
-with `quantized` weights the layer products run on a GGUF file's 4-bit blocks instead
+Weights come as `LlamaWeights`: read from a checkpoint's safetensors files (workers/target.py), or
+taken from a loaded transformers model, so every checkpoint format it reads works here; with
+`quantized` weights the layer products run on a GGUF file's 4-bit blocks instead
 (workers/models/quant.py), with `bfloat16` every product on packed bfloat16 weights
 (workers/models/bf16.py).
 """
@@ -26,10 +27,10 @@ import mmap
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel
 
 from workers.models.base import LIBC, ForwardOutput, ModelInfo, SeqInput, TargetView, forward_each
 from workers.models.bf16 import Bf16Linear
@@ -38,10 +39,15 @@ from workers.models.probes import kept_probe
 from workers.models.quant import Int4Linear, Int4Weight, dense_format
 from workers.tree import DraftTree
 
+if TYPE_CHECKING:  # transformers' modeling code takes seconds to import; a checkpoint read needs none of it
+    from transformers import PretrainedConfig, PreTrainedModel
+
 log = logging.getLogger(__name__)
 
 # rope types whose frequencies depend on the sequence length are left to transformers
 _STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+# a layer's product weights by transformers' names: .format(layer, projection)
+_ATTN, _MLP = "model.layers.{}.self_attn.{}_proj.weight", "model.layers.{}.mlp.{}_proj.weight"
 
 
 def supports(config: object) -> bool:
@@ -54,6 +60,54 @@ def supports(config: object) -> bool:
         and getattr(config, "hidden_act", "silu") == "silu"
         and rope.get("rope_type", "default") in _STATIC_ROPE_TYPES
     )
+
+
+def tensor_names(config: PretrainedConfig, tied: bool) -> set[str]:
+    """The checkpoint tensors FastLlama computes with, by transformers' names (`tied`: the output
+    head is the input embeddings, so no `lm_head.weight`)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"} | ({"lm_head.weight"} if not tied else set())
+    for i in range(config.num_hidden_layers):
+        names |= {f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.post_attention_layernorm.weight"}
+        names |= {_ATTN.format(i, p) for p in "qkvo"} | {_MLP.format(i, p) for p in ("gate", "up", "down")}
+    return names
+
+
+def rotary_frequencies(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies (float32, [head_dim / 2]) and the attention scaling that
+    transformers' Llama computes for the config's rope type: its library function, or for the
+    default type the formula its Llama module holds itself."""
+    rope = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    if rope["rope_type"] == "default":
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config)
+    return inv_freq.float(), scaling
+
+
+@dataclass(frozen=True)
+class LlamaWeights:
+    """A Llama checkpoint as FastLlama computes with it: its config, its tensors by transformers'
+    names (without `lm_head.weight` where the head is the embeddings, or with the embeddings
+    themselves) and its rotary frequencies."""
+
+    config: PretrainedConfig
+    tensors: Mapping[str, torch.Tensor]
+    inv_freq: torch.Tensor  # float32 [head_dim / 2]
+    attention_scaling: float
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> LlamaWeights:
+        """A loaded transformers model's own tensors and rotary frequencies."""
+        rotary = model.model.rotary_emb
+        tensors = {k: v.detach() for k, v in model.state_dict().items()}
+        return cls(model.config, tensors, rotary.inv_freq.float(), rotary.attention_scaling)
+
+    @classmethod
+    def of_tensors(cls, config: PretrainedConfig, tensors: Mapping[str, torch.Tensor]) -> LlamaWeights:
+        """Tensors read from a checkpoint, the rotary frequencies computed for its config."""
+        return cls(config, tensors, *rotary_frequencies(config))
 
 
 class StaticKVCache:
@@ -344,7 +398,7 @@ class FastLlama:
     supports_tree = True
 
     def __init__(
-        self, hf_model: PreTrainedModel, eos_token_ids: frozenset[int], head_rows: torch.Tensor | None = None,
+        self, weights: LlamaWeights, eos_token_ids: frozenset[int], head_rows: torch.Tensor | None = None,
         quantized: Mapping[str, Int4Weight] | None = None, bfloat16: bool = False, shared_embeddings: bool = False,
         dense_prefill: bool = True,
     ) -> None:
@@ -360,12 +414,12 @@ class FastLlama:
         `shared_embeddings`: the embeddings are another model's (a drafter sharing its target's),
         kept as given, never copied. `dense_prefill`: int4 prompt rows on a dense copy of the
         weights where one pays (workers/models/quant.py), else on the int4 kernel."""
-        cfg = hf_model.config
+        cfg = weights.config
         if not supports(cfg):
             raise ValueError(f"FastLlama does not support {cfg.model_type} with this config")
         if quantized is not None and bfloat16:
             raise ValueError("the layer products are either int4 or bfloat16")
-        sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
+        sd = weights.tensors
 
         def own(name: str) -> torch.Tensor:
             # a copy for what is kept as it is: a tensor loaded from safetensors is a view of the
@@ -375,8 +429,8 @@ class FastLlama:
 
         # every row computed the same way whatever shares its forward (see invariant_min_queries)
         self.batch_invariant = quantized is not None or bfloat16
-        self.device = next(hf_model.parameters()).device
-        self.dtype = next(hf_model.parameters()).dtype
+        self.device = sd["model.norm.weight"].device
+        self.dtype = sd["model.norm.weight"].dtype
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
@@ -394,15 +448,14 @@ class FastLlama:
             weight = torch.cat([sd[n] for n in names])
             return Bf16Linear(weight) if bfloat16 else Linear(weight)
 
-        attn, mlp = "model.layers.{}.self_attn.{}_proj.weight", "model.layers.{}.mlp.{}_proj.weight"
         self.layers = [
             _Layer(
                 input_norm=own(f"model.layers.{i}.input_layernorm.weight"),
-                qkv=product(*(attn.format(i, p) for p in "qkv")),
-                o=product(attn.format(i, "o")),
+                qkv=product(*(_ATTN.format(i, p) for p in "qkv")),
+                o=product(_ATTN.format(i, "o")),
                 post_norm=own(f"model.layers.{i}.post_attention_layernorm.weight"),
-                gate_up=product(mlp.format(i, "gate"), mlp.format(i, "up")),
-                down=product(mlp.format(i, "down")),
+                gate_up=product(_MLP.format(i, "gate"), _MLP.format(i, "up")),
+                down=product(_MLP.format(i, "down")),
             )
             for i in range(cfg.num_hidden_layers)
         ]
@@ -433,9 +486,7 @@ class FastLlama:
             eos_token_ids=eos_token_ids,
             kv_bytes_per_token=2 * len(self.layers) * self.num_kv_heads * self.head_dim * self.dtype.itemsize,
         )
-        # the model's own rotary module computed the frequencies for its rope type
-        rotary = hf_model.model.rotary_emb
-        inv_freq, scale = rotary.inv_freq.float(), rotary.attention_scaling
+        inv_freq, scale = weights.inv_freq, weights.attention_scaling
         angles = torch.outer(torch.arange(cfg.max_position_embeddings, device=self.device).float(), inv_freq)
         emb = torch.cat((angles, angles), dim=-1)  # [max_position, head_dim]
         self.cos = (emb.cos() * scale).to(self.dtype)
