@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from router.run_batch import DEFAULT_CONCURRENCY
 from router.serve import ServeError
@@ -23,6 +23,7 @@ from workers.config import (
     PLAIN,
     ConfigError,
     RoutingConfig,
+    ToolCallParser,
     check_speculation,
     load_engine_config,
     load_routing_config,
@@ -31,6 +32,18 @@ from workers.result import Logprob, RequestError
 from workers.text_stream import stream_delta
 
 DEFAULT_SERVE_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve.cpu.yaml"
+# `specroute serve`'s flags (vLLM's names) that set a field of the application's args, by dotted path
+SERVE_ARG_FLAGS: dict[str, str] = {
+    "served_model_name": "served_model_name",
+    "api_key": "api_key",
+    "max_model_len": "engine.target.max_model_len",
+    "chat_template": "engine.target.chat_template",
+    "tool_call_parser": "engine.target.tool_call_parser",
+    "generation_config": "engine.target.generation_config",
+    "max_num_seqs": "engine.scheduler.max_num_seqs",
+    "max_num_batched_tokens": "engine.scheduler.max_num_batched_tokens",
+    "num_replicas": "num_replicas",
+}
 
 
 class CLIError(Exception):
@@ -285,10 +298,26 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
         shutdown()
 
 
+def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The application args `specroute serve`'s flags set (the config's own where a flag is absent);
+    a fixed replica count replaces the config's autoscaling."""
+    overrides = {path: getattr(args, dest) for dest, path in SERVE_ARG_FLAGS.items() if getattr(args, dest) is not None}
+    if args.num_replicas is not None:
+        overrides["autoscaling_config"] = None
+    return overrides
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from router.serve import serve
 
-    serve(_existing_file(args.config, "--config"), host=args.host, port=args.port, blocking=True)
+    overrides = serve_overrides(args)
+    try:
+        serve(_existing_file(args.config, "--config"), host=args.host, port=args.port, blocking=True,
+              overrides=overrides)
+    except ConfigError as e:  # name the flag that set a field the config refuses
+        flags = [f"--{dest.replace('_', '-')}" for dest, path in SERVE_ARG_FLAGS.items()
+                 if path in overrides and path in str(e)]
+        raise ConfigError(f"{e} (set by {', '.join(flags)})" if flags else str(e)) from None
     return 0
 
 
@@ -420,6 +449,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, default=DEFAULT_SERVE_CONFIG, help="Serve config YAML")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    # vLLM's serve flags: each sets a field of the config's application args (SERVE_ARG_FLAGS)
+    serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                       help="the model names clients send (responses carry the first)")
+    serve.add_argument("--api-key", help="the key the inference endpoints require (default: the config's, "
+                       "else $SPECROUTE_API_KEY)")
+    serve.add_argument("--max-model-len", type=_positive_int, metavar="N", help="prompt + generated tokens a request "
+                       "may take")
+    serve.add_argument("--chat-template", metavar="FILE_OR_JINJA", help="the target's chat template")
+    serve.add_argument("--tool-call-parser", choices=get_args(ToolCallParser), help="how the target writes tool calls")
+    serve.add_argument("--generation-config", choices=("auto", "vllm"),
+                       help="auto: omitted sampling fields take the model's generation_config.json values")
+    serve.add_argument("--max-num-seqs", type=_positive_int, metavar="N", help="requests a replica runs batched")
+    serve.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N", help="tokens a step computes")
+    serve.add_argument("--num-replicas", type=_positive_int, metavar="N", help="target replicas")
     serve.set_defaults(func=cmd_serve)
 
     rb = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSONL) through the service (vLLM's "

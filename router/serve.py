@@ -1,20 +1,23 @@
 """Run the Serve application from a Serve config file on a local Ray instance.
 
-    serve(config_path, host, port, blocking)   `specroute serve`; tests call it with blocking=False
-    shutdown()                                  stops Serve and the Ray instance started here
+    serve(config_path, host, port, blocking, overrides)   `specroute serve`; tests call it with blocking=False
+    shutdown()                                             stops Serve and the Ray instance started here
 
 The config file is Ray Serve's own format (deploy/serve.cpu.yaml), so `serve run` / `serve deploy`
-accept the same file; this entry point overrides its HTTP host and port from the command line.
+accept the same file; this entry point overrides its HTTP host and port from the command line, and
+fields of its application's args (`overrides`, vLLM's serve flags: `--max-model-len`, ...).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,23 @@ def load_serve_config(path: Path) -> dict[str, Any]:
     if not data.get("applications"):
         raise ConfigError(f"config {path}: no applications")
     return data
+
+
+def with_overrides(config: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The Serve config with fields of its first application's args set: `overrides` maps a dotted
+    path in the args (`engine.target.max_model_len`) to its value. `config` itself is unchanged."""
+    config = copy.deepcopy(config)
+    app = config["applications"][0]
+    args = app["args"] = app.get("args") or {}
+    for path, value in overrides.items():
+        *parents, last = path.split(".")
+        node = args
+        for key in parents:
+            if not isinstance(node.get(key), dict):
+                node[key] = {}
+            node = node[key]
+        node[last] = value
+    return config
 
 
 def _build(app_config: dict[str, Any]) -> Any:
@@ -75,16 +95,18 @@ def start_ray() -> None:
     )
 
 
-def serve(config_path: Path, host: str = "127.0.0.1", port: int = 8000, blocking: bool = True) -> None:
+def serve(config_path: Path, host: str = "127.0.0.1", port: int = 8000, blocking: bool = True,
+          overrides: Mapping[str, Any] | None = None) -> None:
     """Deploy the config on a new local Ray instance the way `serve run CONFIG` and `serve deploy`
     do (Serve's controller builds the application, so `deployments:` overrides and `user_config`
-    apply), with host and port from the command line; when blocking, wait for Ctrl-C (or SIGTERM)
-    and shut everything down."""
+    apply), with host and port from the command line and the application's args set by
+    `overrides` (`with_overrides`); when blocking, wait for Ctrl-C (or SIGTERM) and shut
+    everything down."""
     import ray
     from ray.serve._private import api as serve_api  # what `serve run CONFIG` calls (ray.serve.scripts)
     from ray.serve.schema import ServeDeploySchema
 
-    config = load_serve_config(config_path)
+    config = with_overrides(load_serve_config(config_path), overrides or {})
     app_config = config["applications"][0]
     _build(app_config)  # bad args are reported before Ray starts
     schema = ServeDeploySchema.model_validate({

@@ -84,13 +84,13 @@ def tiny_serve_config(engine: EngineConfig, workdir: Path, model_name: str, depl
 
 @contextmanager
 def serve_tiny_app(engine: EngineConfig, workdir: Path, model_name: str, deployments: list[dict] | None = None,
-                   **args: Any) -> Iterator[str]:
-    """Ray (local) and the Serve app of `tiny_serve_config`. Yields the base URL and shuts Serve
-    down after."""
+                   overrides: dict[str, Any] | None = None, **args: Any) -> Iterator[str]:
+    """Ray (local) and the Serve app of `tiny_serve_config`, its args set by `overrides` as
+    `specroute serve`'s flags set them. Yields the base URL and shuts Serve down after."""
     from router.serve import serve, shutdown
 
     path, port = tiny_serve_config(engine, workdir, model_name, deployments, **args)
-    serve(path, host="127.0.0.1", port=port, blocking=False)
+    serve(path, host="127.0.0.1", port=port, blocking=False, overrides=overrides)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

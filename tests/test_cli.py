@@ -242,3 +242,30 @@ def test_serve_refuses_a_bad_application_naming_the_field(tmp_path: Path, app: d
     proc = specroute("serve", "--config", str(config), "--port", "8765", timeout=60)
     assert proc.returncode == 2
     assert_user_error(proc, *needles)
+
+
+def test_serve_flags_set_the_applications_args_over_the_config() -> None:
+    from router.app import AppArgs
+    from router.cli import build_parser, serve_overrides
+    from router.serve import load_serve_config, with_overrides
+
+    config = load_serve_config(REPO / "deploy" / "serve.gpu.yaml")  # autoscaling
+    flags = build_parser().parse_args(["serve", "--config", "x.yaml", "--served-model-name", "a", "b", "--api-key",
+                                       "k", "--max-model-len", "512", "--tool-call-parser", "hermes", "--num-replicas",
+                                       "2", "--max-num-seqs", "3"])
+    args = AppArgs.model_validate(with_overrides(config, serve_overrides(flags))["applications"][0]["args"])
+    assert (args.served_model_name, args.api_key, args.num_replicas, args.autoscaling_config) == (["a", "b"], "k", 2,
+                                                                                                  None)
+    assert (args.engine.target.max_model_len, args.engine.target.tool_call_parser) == (512, "hermes")
+    assert args.engine.scheduler.max_num_seqs == 3
+    gpu = AppArgs.model_validate(config["applications"][0]["args"])  # the config itself unchanged
+    assert gpu.engine.target.model == args.engine.target.model and gpu.autoscaling_config is not None
+    bare = with_overrides({"applications": [{"import_path": "router.app:build_app"}]},
+                          serve_overrides(build_parser().parse_args(["serve", "--max-model-len", "64"])))
+    assert bare["applications"][0]["args"] == {"engine": {"target": {"max_model_len": 64}}}
+
+
+def test_serve_names_the_flag_whose_value_the_application_refuses() -> None:
+    proc = specroute("serve", "--served-model-name", "a", "a", "--port", "8765", timeout=60)
+    assert proc.returncode == 2
+    assert_user_error(proc, "served_model_name", "--served-model-name")

@@ -3,7 +3,8 @@ Ray instance per process, and tests/test_serve.py keeps one up for its module. O
 serves every test here, configured as a deployment would combine them: a `deployments:` override
 with the policy as user_config, priority scheduling over one KV slot, and a target with its own
 chat template, Hermes' tool-call syntax and sampling defaults (its generation_config.json's, one
-overridden in the config)."""
+overridden in the config). The KV slot, the template, the parser and the context length are set by
+`specroute serve`'s flags, over the config's values."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from helpers import HERMES_TEMPLATE, serve_tiny_app
 from prometheus_client.parser import text_string_to_metric_families
 
 from policies.schema import DEFAULT_POLICY_PATH
+from router.cli import build_parser, serve_overrides
 from workers.config import EngineConfig, GenerationDefaults
 
 MODEL = "tiny-test-model"
+MAX_MODEL_LEN = 768  # `specroute serve --max-model-len`'s (the config says 1024)
 # the target's generation_config.json recommends (top_k 1: its likeliest token, whatever the temperature)
 RECOMMENDED_SAMPLING = {"temperature": 0.5, "top_k": 1, "max_new_tokens": 7}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -39,23 +42,27 @@ def url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> 
     generation = target / "generation_config.json"  # save_pretrained's: the token ids
     generation.write_text(json.dumps({**json.loads(generation.read_text()), **RECOMMENDED_SAMPLING}))
     config = tiny_config.model_copy(update={
-        "scheduler": tiny_config.scheduler.model_copy(update={"policy": "priority", "max_num_seqs": 1}),
+        "scheduler": tiny_config.scheduler.model_copy(update={"policy": "priority"}),
         "target": tiny_config.target.model_copy(update={
-            "model": str(target), "chat_template": str(workdir / "hermes.jinja"), "tool_call_parser": "hermes",
-            "override_generation_config": GenerationDefaults(max_new_tokens=5)}),
+            "model": str(target), "override_generation_config": GenerationDefaults(max_new_tokens=5)}),
     })
-    with serve_tiny_app(config, workdir, MODEL, deployments=overrides) as base_url:
+    flags = build_parser().parse_args(["serve", "--chat-template", str(workdir / "hermes.jinja"), "--tool-call-parser",
+                                       "hermes", "--max-num-seqs", "1", "--max-model-len", str(MAX_MODEL_LEN)])
+    with serve_tiny_app(config, workdir, MODEL, deployments=overrides, overrides=serve_overrides(flags)) as base_url:
         yield base_url
 
 
 def test_serve_config_overrides_and_user_config_apply(url: str) -> None:
     """`specroute serve` deploys like `serve deploy`: a `deployments:` entry (here the policy as
-    user_config, next to an option override) reaches the replicas."""
+    user_config, next to an option override) reaches the replicas, and so do the args its flags set
+    (the chat template, the tool-call parser and one KV slot are theirs too, tested below)."""
     from ray import serve
 
     r = requests.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["speculation"]["policy_version"] == "from-user-config"
+    models = requests.get(f"{url}/v1/models", timeout=30).json()["data"]
+    assert [m["max_model_len"] for m in models] == [MAX_MODEL_LEN]
     worker = serve.status().applications["specroute"].deployments["TargetWorker"]
     assert worker.status == "HEALTHY"
 
