@@ -113,11 +113,12 @@ def raced(draws: PositionDraws, start: int) -> Pick:
     return lambda tokens, counts, at: draws.race(tokens, counts, start + at)
 
 
-def draw(matches: Sequence[Match], depth: int, min_prob: float, pick: Pick) -> Proposal:
+def draw(matches: Sequence[Match], depth: int, min_prob: float, pick: Pick, with_shares: bool = True) -> Proposal:
     """A chain drawn from the continuations of `matches`: each token `pick`ed by the counts of the
     occurrences that go on (the occurrences that continue so are kept for the next). It stops
     where the estimate along the drawn path, the product of each level's likeliest share, falls
-    below `min_prob` (`grow`'s rule for its chain)."""
+    below `min_prob` (`grow`'s rule for its chain). `with_shares`: the draft distribution too
+    (what rejection sampling verifies against; a race on the step's own draws needs none)."""
     tokens: list[int] = []
     shares: list[dict[int, float]] = []
     live, prob = list(matches), 1.0
@@ -128,9 +129,10 @@ def draw(matches: Sequence[Match], depth: int, min_prob: float, pick: Pick) -> P
         counts = [len(g) for g in groups.values()]
         token, total = pick(list(groups), counts, at), sum(counts)
         tokens.append(token)
-        shares.append({t: c / total for t, c in zip(groups, counts)})
+        if with_shares:
+            shares.append({t: c / total for t, c in zip(groups, counts)})
         live = groups[token]
-    return Proposal(tokens, tuple(range(-1, len(tokens) - 1)), tuple(shares))
+    return Proposal(tokens, tuple(range(-1, len(tokens) - 1)), tuple(shares) if with_shares else None)
 
 
 MemoryKey = tuple[str, str | None]  # (domain, cache_salt): the requests whose outputs one index keeps
@@ -211,8 +213,8 @@ class SuffixDrafter:
         if tree is None and cfg.sample_drafts and ctx.draws is not None:
             # raced on the draws the step matches it against: the race is the draft's own shadow
             pick = raced(ctx.draws, len(ctx.token_ids))
-            best = self._proposal(state, ctx, k, lambda m, depth: dataclasses.replace(
-                draw(m, depth, cfg.min_token_prob, pick), shares=None))
+            best = self._proposal(state, ctx, k, lambda m, depth: draw(m, depth, cfg.min_token_prob, pick,
+                                                                       with_shares=False))
         elif tree is None and self.vocab_size is not None and cfg.sample_drafts and not ctx.exact_match:
             pick = sampled(ctx.generator)
             best = self._proposal(state, ctx, k, lambda m, depth: dataclasses.replace(
