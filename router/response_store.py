@@ -103,12 +103,15 @@ class MemoryResponseStore:
     async def delete(self, response_id: str) -> bool:
         return self._responses.pop(response_id, None) is not None
 
+    def __len__(self) -> int:
+        return len(self._responses)
+
     def items(self) -> list[tuple[str, StoredResponse]]:
         """Every stored response, the least recently used first."""
         return list(self._responses.items())
 
     def health(self) -> ResponseStoreHealth:
-        return ResponseStoreHealth("memory", connected=True, num_errors=0, num_local=len(self._responses))
+        return ResponseStoreHealth("memory", connected=True, num_errors=0, num_local=len(self))
 
 
 class RedisResponseStore:
@@ -140,7 +143,7 @@ class RedisResponseStore:
 
     def health(self) -> ResponseStoreHealth:
         return ResponseStoreHealth("redis", connected=self._retry_at == -math.inf, num_errors=self._num_errors,
-                                   num_local=self._local.health().num_local)
+                                   num_local=len(self._local))
 
     def _may_try(self) -> bool:
         return time.monotonic() >= self._retry_at
@@ -156,7 +159,7 @@ class RedisResponseStore:
         if self._retry_at != -math.inf:
             log.info("responses Redis reachable again")
         self._retry_at = -math.inf
-        if self._local.items() and not self._moving.locked():
+        if len(self._local) and not self._moving.locked():
             await self._move_local()
 
     async def _move_local(self) -> None:
