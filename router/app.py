@@ -67,6 +67,8 @@ from router.observation import Observation
 from router.replica_affinity import DEFAULT_MAX_IMBALANCE, PrefixAffinityRouter
 from router.response_store import ResponseStoreUnavailable, StoredResponse, make_response_store
 from router.responses import (
+    RUNNING_STATUSES,
+    ResponseError,
     ResponseEvents,
     ResponseObject,
     ResponsesRequest,
@@ -337,6 +339,14 @@ def _as_api_error(e: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}: {e}"[:_MAX_INTERNAL_MESSAGE], type="internal_error")
 
 
+def _finished_response(response: ResponseObject, out: Chunk, chat: ChatCompletionRequest) -> ResponseObject:
+    """`response` with the output of its generation, `out`."""
+    finish = out.finish_reason or "length"
+    items = output_items(answer_of(out.text, finish, chat.tool_calls), f"msg_{uuid.uuid4().hex}", out.reasoning,
+                         logprobs=out.logprobs)
+    return response.finished(items, out.result, finish, _speculation_info(out.result))
+
+
 def _store_unavailable(e: ResponseStoreUnavailable, param: str | None = None) -> APIError:
     """The shared response store did not answer: the response may be there, so retry (not a 404)."""
     return APIError(503, f"stored responses cannot be read now ({e}); retry", param, "service_unavailable",
@@ -513,6 +523,7 @@ class OpenAIIngress:
         self._sampling_defaults: dict[str, float | int] | None = None
         self.stored_responses = make_response_store(self.args.responses_url, self.args.max_stored_responses,
                                                     prefix=self.args.stats_prefix)
+        self._background: dict[str, asyncio.Task[None]] = {}  # background responses this ingress generates
         self.admin_token = self.args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
         guard.configure(self.args.max_request_bytes, self.args.retry_after_s,
                         self.args.api_key or os.environ.get(API_KEY_ENV),
@@ -674,15 +685,25 @@ class OpenAIIngress:
         """OpenAI's Responses API on the chat path (router/responses.py); a response is stored
         unless asked not to, and `previous_response_id` continues a stored one's conversation."""
         body = await self._with_defaults(body)
+        stores = body.stores and self.stored_responses.max_responses > 0
+        if body.background and not stores:
+            raise APIError(400, "background: a background response is read with GET /v1/responses/{id}, so it "
+                                "must be stored (store: true, and a server that keeps responses)", "background")
+        if body.background and body.stream:
+            raise APIError(400, "stream: a background response is not streamed; read it with GET "
+                                "/v1/responses/{id}", "stream")
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
-            history = (await self._stored(body.previous_response_id, "previous_response_id")).conversation
+            previous = await self._stored(body.previous_response_id, "previous_response_id")
+            if (status := previous.response.get("status")) in RUNNING_STATUSES:
+                raise APIError(400, f"previous_response_id: response {body.previous_response_id!r} is still "
+                                    f"{status}", "previous_response_id")
+            history = previous.conversation
         try:
             chat = body.after(history).as_chat().use_tool_call_parser(self.args.engine.target.tool_call_parser)
             chat = await self._with_defaults(chat)  # the fields this API lacks (min_p, repetition_penalty)
         except RequestFieldError as e:
             raise APIError(400, str(e), e.param) from None
-        stores = body.stores and self.stored_responses.max_responses > 0
         response = ResponseObject.started(body, f"resp_{uuid.uuid4().hex}", self.model_name, stores)
         conversation = [*history, *body.input_items()]
 
@@ -692,6 +713,13 @@ class OpenAIIngress:
                     *conversation, *(item.model_dump(mode="json") for item in done.output)]))
 
         messages = [m.as_template_message() for m in chat.messages]
+        if body.background:
+            queued = response.model_copy(update={"status": "queued"})
+            await store(queued)
+            task = asyncio.create_task(self._respond_in_background(response, chat, messages, store))
+            self._background[response.id] = task
+            task.add_done_callback(lambda _: self._background.pop(response.id, None))
+            return queued
         try:
             if body.stream:
                 gens, heads = await self._open_streams(chat, [messages])
@@ -706,15 +734,47 @@ class OpenAIIngress:
             out = (await self._generate(chat, [messages]))[0]
         except APIError as e:  # the worker names the chat request's fields
             raise e.for_param(responses_param) from None
-        finish = out.finish_reason or "length"
-        items = output_items(answer_of(out.text, finish, chat.tool_calls), f"msg_{uuid.uuid4().hex}", out.reasoning,
-                             logprobs=out.logprobs)
-        done = response.finished(items, out.result, finish, _speculation_info(out.result))
+        done = _finished_response(response, out, chat)
         await store(done)
         return done
 
+    async def _respond_in_background(
+        self, response: ResponseObject, chat: ChatCompletionRequest, messages: list[dict[str, Any]],
+        store: Callable[[ResponseObject], Awaitable[None]],
+    ) -> None:
+        """Generate a background response and store what became of it: its output, `cancelled`
+        (by POST /v1/responses/{id}/cancel) or `failed` with the error."""
+        try:
+            await store(response)  # in_progress
+            out = (await self._generate(chat, [messages]))[0]
+            await store(_finished_response(response, out, chat))
+        except asyncio.CancelledError:
+            await store(response.model_copy(update={"status": "cancelled"}))
+            raise
+        except Exception as e:
+            error = _as_api_error(e).for_param(responses_param).body.error
+            await store(response.model_copy(update={
+                "status": "failed", "error": ResponseError(code=error.code or error.type, message=error.message)}))
+
     @app.get("/v1/responses/{response_id}")
     async def get_response(self, response_id: str) -> dict[str, Any]:
+        return (await self._stored(response_id)).response
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(self, response_id: str) -> dict[str, Any]:
+        """Cancel a background response still generated: it is stored `cancelled`, and its request
+        leaves the worker. One whose ingress no longer runs it (a restart) is marked cancelled."""
+        stored = await self._stored(response_id)
+        if (status := stored.response.get("status")) not in RUNNING_STATUSES:
+            raise APIError(400, f"response {response_id!r} is {status}: only a background response still "
+                                "generated can be cancelled")
+        task = self._background.get(response_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+        else:
+            await self.stored_responses.put(response_id, StoredResponse(
+                {**stored.response, "status": "cancelled"}, stored.conversation))
         return (await self._stored(response_id)).response
 
     @app.delete("/v1/responses/{response_id}")
@@ -933,8 +993,12 @@ class OpenAIIngress:
         return tokens
 
     async def _generate_one(self, request: GenerateRequest) -> Chunk:
+        call = self.worker.generate.remote(request)
         try:
-            chunk: Chunk = await self.worker.generate.remote(request)
+            chunk: Chunk = await call
+        except asyncio.CancelledError:
+            call.cancel()  # the worker drops the request (Serve does so itself for a client that went away)
+            raise
         except Exception as e:
             raise _as_api_error(e) from None
         if chunk.error is not None:

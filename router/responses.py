@@ -10,8 +10,10 @@ Responses' typed events (`ResponseEvents`): `response.created`, the items' `adde
 output's tokens' logprobs (`top_logprobs` alternatives each), as chat reports them; a reasoning
 model's thinking tokens count among them. A response is stored unless `store: false`
 (router/response_store.py): `previous_response_id` continues its conversation (`after`), and
-`GET` / `DELETE /v1/responses/{id}` read and forget it. `background` and `conversation` are
-refused by name.
+`GET` / `DELETE /v1/responses/{id}` read and forget it. A `background` response is answered
+at once, `queued`, and generated while the client polls `GET /v1/responses/{id}` (its status
+`in_progress`, then `completed`, `incomplete`, `failed` or, by `POST /v1/responses/{id}/cancel`,
+`cancelled`). `conversation` is refused by name.
 """
 
 from __future__ import annotations
@@ -184,7 +186,8 @@ class ResponsesRequest(BaseModel):
     access_programs: None = None
     image: None = None
     moderation: None = None
-    background: Literal[False] | None = None
+    background: bool = Field(False, description="answer at once and generate meanwhile: the response is read "
+                                                "with GET /v1/responses/{id} (needs store)")
     truncation: Literal["disabled"] | None = None
     # extra output: each output token's logprob and its top_logprobs likeliest
     include: list[Literal["message.output_text.logprobs"]] | None = None
@@ -345,13 +348,24 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"]
 
 
+class ResponseError(BaseModel):
+    """Why a background response failed."""
+
+    code: str
+    message: str
+
+
+# a background response's status while it is generated (it can then be cancelled)
+RUNNING_STATUSES = ("queued", "in_progress")
+
+
 class ResponseObject(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
     incomplete_details: IncompleteDetails | None = None
-    error: None = None
+    error: ResponseError | None = None
     model: str
     output: list[OutputItem]
     instructions: str | None = None
@@ -364,6 +378,7 @@ class ResponseObject(BaseModel):
     text: TextConfig
     metadata: dict[str, str] | None = None
     store: bool = False
+    background: bool = False
     previous_response_id: str | None = None
     usage: ResponseUsage | None = None
     speculation: SpeculationInfo | None = None  # SpecRoute's: what ran and how well it was accepted
@@ -378,7 +393,7 @@ class ResponseObject(BaseModel):
             temperature=request.temperature, top_p=request.top_p, tools=request.tools or [],
             tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,
             text=request.text or TextConfig(format=TextFormat(type="text")), metadata=request.metadata,
-            store=store, previous_response_id=request.previous_response_id,
+            store=store, background=request.background, previous_response_id=request.previous_response_id,
         )
 
     def finished(self, output: list[OutputItem], result: GenerationResult, finish_reason: str,

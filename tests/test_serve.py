@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
-from helpers import serve_tiny_app
+from helpers import serve_tiny_app, wait_for
 
 from workers.config import EngineConfig, PredictionDrafterConfig
 
@@ -861,9 +861,37 @@ def test_responses_are_stored_continued_read_and_deleted(client, base_url: str) 
     assert requests.delete(f"{base_url}/v1/responses/{first.id}", timeout=30).status_code == 404
 
 
+def test_a_background_response_is_polled_and_one_still_generated_is_cancelled(client, base_url: str) -> None:
+    """`background: true` answers at once, `queued`, and generates meanwhile: GET then reads what
+    a synchronous request answers. One cancelled while it is generated is stored `cancelled` and
+    leaves the worker (an abort); a finished one cannot be cancelled, nor continued while running."""
+    common = {"model": MODEL, "input": "Count: one two three", "max_output_tokens": 8, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}
+    queued = client.responses.create(background=True, **common)
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    wait_for(lambda: client.responses.retrieve(queued.id).status not in ("queued", "in_progress"),
+             "the background response", 60, every_s=0.1)
+    done, sync = client.responses.retrieve(queued.id), client.responses.create(store=False, **common)
+    assert (done.status, done.output_text, done.usage.output_tokens) == (sync.status, sync.output_text, 8)
+    r = requests.post(f"{base_url}/v1/responses/{done.id}/cancel", timeout=30)
+    assert r.status_code == 400 and "incomplete" in r.json()["error"]["message"], r.text
+
+    aborted = _num_finished(base_url, "abort")
+    running = client.responses.create(background=True, model=MODEL, input="Long:", max_output_tokens=900,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    r = requests.post(f"{base_url}/v1/responses", json={"model": MODEL, "input": "x",
+                                                         "previous_response_id": running.id}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id", r.text
+    r = requests.post(f"{base_url}/v1/responses/{running.id}/cancel", timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+    assert client.responses.retrieve(running.id).status == "cancelled"
+    wait_for(lambda: _num_finished(base_url, "abort") == aborted + 1, "the worker to abort the request", 30)
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": []}, "input"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),
+    ({"background": True, "stream": True}, "stream"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].message.content"),
