@@ -3,8 +3,9 @@
 A GGUF file is dequantised by transformers once and saved as safetensors + tokenizer under the
 cache directory, keyed by the file's content hash, so later loads take about a second. A Llama
 checkpoint in a directory, that one included, is read for the fast backend from its safetensors
-files without transformers' modeling code, whose import alone takes ~3 s of a process's start on
-a 2-core CPU; anything else loads through transformers.
+files, so the process never imports transformers' modeling code (its imports and the shipped
+target's load 1.7 s shorter on a 2-core CPU, docs/benchmarks.md); anything else loads through
+transformers.
 
 A drafter distilled for a target (training/model.py) is an ordinary Llama directory that may
 leave out its embeddings: they are the target's, frozen, so config.json says

@@ -89,8 +89,8 @@ def rotary_frequencies(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
 @dataclass(frozen=True)
 class LlamaWeights:
     """A Llama checkpoint as FastLlama computes with it: its config, its tensors by transformers'
-    names (without `lm_head.weight` where the head is the embeddings, or with the embeddings
-    themselves) and its rotary frequencies."""
+    names (where the output head is the input embeddings, `lm_head.weight` is absent or that very
+    tensor) and its rotary frequencies."""
 
     config: PretrainedConfig
     tensors: Mapping[str, torch.Tensor]
