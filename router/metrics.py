@@ -179,32 +179,33 @@ class SpecRouteCollector:
         yield from (held, budget)
 
     def _store(self) -> Iterator[Metric]:
-        health, labels = self.obs.store, ["backend"]
-        connected = GaugeMetricFamily(f"{PREFIX}stats_store_connected",
-                                      "1 while the statistics store answers (per replica)", labels=labels)
-        connected.add_metric([health.backend], int(health.connected))
-        errors = CounterMetricFamily(f"{PREFIX}stats_store_errors", "Failed statistics store operations "
-                                     "since the replica started", labels=labels)
-        errors.add_metric([health.backend], health.num_errors)
-        pending = GaugeMetricFamily(f"{PREFIX}stats_store_pending_local", "Steps buffered in the replica, "
-                                    "not yet in the shared store", labels=labels)
-        pending.add_metric([health.backend], health.num_pending_local)
-        dropped = CounterMetricFamily(f"{PREFIX}stats_store_dropped", "Steps lost because the local buffer "
-                                      "was full", labels=labels)
-        dropped.add_metric([health.backend], health.num_dropped)
-        yield from (connected, errors, pending, dropped)
+        health = self.obs.store
+        yield _by_backend(GaugeMetricFamily, "stats_store_connected", "1 while the statistics store answers "
+                          "(per replica)", health.backend, int(health.connected))
+        yield _by_backend(CounterMetricFamily, "stats_store_errors", "Failed statistics store operations since the "
+                          "replica started", health.backend, health.num_errors)
+        yield _by_backend(GaugeMetricFamily, "stats_store_pending_local", "Steps buffered in the replica, not yet in "
+                          "the shared store", health.backend, health.num_pending_local)
+        yield _by_backend(CounterMetricFamily, "stats_store_dropped", "Steps lost because the local buffer was full",
+                          health.backend, health.num_dropped)
         if (responses := self.obs.response_store) is None:
             return
-        connected = GaugeMetricFamily(f"{PREFIX}response_store_connected", "1 while the stored responses' store "
-                                      "answers", labels=labels)
-        connected.add_metric([responses.backend], int(responses.connected))
-        errors = CounterMetricFamily(f"{PREFIX}response_store_errors", "Failed operations of the stored responses' "
-                                     "Redis since the ingress started", labels=labels)
-        errors.add_metric([responses.backend], responses.num_errors)
-        local = GaugeMetricFamily(f"{PREFIX}response_store_local", "Stored responses in the ingress's memory "
-                                  "(redis: those stored while it was unreachable)", labels=labels)
-        local.add_metric([responses.backend], responses.num_local)
-        yield from (connected, errors, local)
+        yield _by_backend(GaugeMetricFamily, "response_store_connected", "1 while the stored responses' store answers",
+                          responses.backend, int(responses.connected))
+        yield _by_backend(CounterMetricFamily, "response_store_errors", "Failed operations of the stored responses' "
+                          "Redis since the ingress started", responses.backend, responses.num_errors)
+        yield _by_backend(GaugeMetricFamily, "response_store_local", "Stored responses in the ingress's memory "
+                          "(redis: those stored while it was unreachable, until it answers again)", responses.backend,
+                          responses.num_local)
+
+
+def _by_backend(
+    family: type[GaugeMetricFamily | CounterMetricFamily], name: str, documentation: str, backend: str, value: float,
+) -> Metric:
+    """A store's metric: one sample, labelled by the store's backend."""
+    metric = family(f"{PREFIX}{name}", documentation, labels=["backend"])
+    metric.add_metric([backend], value)
+    return metric
 
 
 def _buckets(hist: Histogram) -> list[tuple[str, float]]:
