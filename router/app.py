@@ -124,6 +124,7 @@ INGRESS_MAX_ONGOING_REQUESTS = 1024  # the ingress only relays: its limit is the
 STATS_URL_ENV = "SPECROUTE_REDIS_URL"  # the shared statistics store, when the Serve config names none
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 STATIC_FILES = {"chart.umd.min.js": "text/javascript; charset=utf-8"}  # served at /static/<name>; nothing else
+BACKGROUND_UNAVAILABLE_RETRIES = 3  # a background response's tries on a replica that went away, after the first
 _UNAVAILABLE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)  # a replica died or is starting
 _CANCELLED = (TaskCancelledError, RequestCancelledError, asyncio.CancelledError)  # Serve cancels a gone client's call
 
@@ -207,6 +208,9 @@ class AppArgs(BaseModel):
     responses_url: str | None = Field(
         None, description="redis:// URL where stored responses live, shared by the ingress replicas and kept across "
                           "restarts, under the stats_prefix (default: the ingress's memory)")
+    max_background_responses: int = Field(
+        64, ge=0, description="background responses (`background: true`) an ingress replica holds, queued or "
+                              "generated; more are refused with 429 and Retry-After (0: background refused)")
 
     @property
     def model_names(self) -> list[str]:
@@ -337,6 +341,17 @@ def _as_api_error(e: BaseException) -> APIError:
     log.error("request failed: %r", e, exc_info=e)
     # the exception's own words, as vLLM's 500s carry them: what a client can report
     return APIError(500, f"internal error: {type(e).__name__}: {e}"[:_MAX_INTERNAL_MESSAGE], type="internal_error")
+
+
+def _background_retry_s(e: APIError, num_unavailable: int) -> float | None:
+    """How long a background response waits before trying again after `e`: the Retry-After a
+    client would be told (a full queue; a restarting replica, BACKGROUND_UNAVAILABLE_RETRIES
+    times), None where it fails."""
+    if e.headers is None or "retry-after" not in e.headers:
+        return None
+    if e.status == 503 and num_unavailable > BACKGROUND_UNAVAILABLE_RETRIES:
+        return None
+    return float(e.headers["retry-after"])
 
 
 def _finished_response(response: ResponseObject, out: Chunk, chat: ChatCompletionRequest) -> ResponseObject:
@@ -692,6 +707,8 @@ class OpenAIIngress:
         if body.background and body.stream:
             raise APIError(400, "stream: a background response is not streamed; read it with GET "
                                 "/v1/responses/{id}", "stream")
+        if body.background and len(self._background) >= self.args.max_background_responses:
+            raise self._no_background_room()
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             previous = await self._stored(body.previous_response_id, "previous_response_id")
@@ -743,10 +760,23 @@ class OpenAIIngress:
         store: Callable[[ResponseObject], Awaitable[None]],
     ) -> None:
         """Generate a background response and store what became of it: its output, `cancelled`
-        (by POST /v1/responses/{id}/cancel) or `failed` with the error."""
+        (by POST /v1/responses/{id}/cancel) or `failed` with the error. What the API would tell a
+        client to retry (429: the workers' queue is full; 503: a replica restarts, up to
+        BACKGROUND_UNAVAILABLE_RETRIES times) the ingress retries after Retry-After, the response
+        `queued` meanwhile: a background response waits for room, as OpenAI's do."""
+        unavailable = 0
         try:
-            await store(response)  # in_progress
-            out = (await self._generate(chat, [messages]))[0]
+            while True:
+                await store(response)  # in_progress
+                try:
+                    out = (await self._generate(chat, [messages]))[0]
+                    break
+                except APIError as e:
+                    unavailable += e.status == 503
+                    if (wait_s := _background_retry_s(e, unavailable)) is None:
+                        raise
+                    await store(response.model_copy(update={"status": "queued"}))
+                    await asyncio.sleep(wait_s)
             await store(_finished_response(response, out, chat))
         except asyncio.CancelledError:
             await store(response.model_copy(update={"status": "cancelled"}))
@@ -795,6 +825,16 @@ class OpenAIIngress:
         if stored is None:
             raise self._no_response(response_id, param)
         return stored
+
+    def _no_background_room(self) -> APIError:
+        held = self.args.max_background_responses
+        if held == 0:
+            return APIError(400, "background: this server runs no background responses "
+                                 "(max_background_responses: 0)", "background")
+        return APIError(429, f"background: this server holds {held} background responses, queued or generated; "
+                             f"retry after {guard.SETTINGS.retry_after_s} s", "background",
+                        code="rate_limit_exceeded", type="rate_limit_error",
+                        headers={"retry-after": str(guard.SETTINGS.retry_after_s)})
 
     def _no_response(self, response_id: str, param: str | None = None) -> APIError:
         return APIError(404, f"no stored response {response_id!r}: this server keeps the last "

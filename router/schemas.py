@@ -95,7 +95,7 @@ class SpeculationRequest(BaseModel):
     @field_validator("draft_len", mode="before")
     @classmethod
     def _draft_len(cls, value: Any) -> Any:
-        if value == AUTO:
+        if value is None or value == AUTO:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f'must be "auto" or an integer >= 1, got {value!r}')

@@ -38,6 +38,7 @@ MAX_BODY = 16 * 1024
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ORIGIN = "https://chat.example"  # the one origin whose pages may call this app
 ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
+BACKGROUND_HELD = 3  # background responses the ingress holds
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Count: one two three"}], "max_tokens": 8,
         "temperature": 0}
 
@@ -56,6 +57,7 @@ def base_url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory
     with serve_tiny_app(tiny_config, tmp_path_factory.mktemp("serve"), MODEL, api_key=API_KEY, admin_token=ADMIN,
                         max_request_bytes=MAX_BODY, max_ongoing_requests=1, max_queued_requests=1,
                         stats_url=redis_server.url, stats_prefix="reliability", responses_url=redis_server.url,
+                        max_background_responses=BACKGROUND_HELD,
                         allowed_origins=[ORIGIN]) as url:
         yield url
 
@@ -362,6 +364,37 @@ def test_beyond_capacity_is_429_with_retry_after_and_nothing_is_lost(base_url: s
     for r in ok:
         assert r.json()["usage"]["completion_tokens"] == 200
     assert _post(base_url, "/v1/completions", {**body, "max_tokens": 4}).status_code == 200
+
+
+def test_background_responses_wait_for_room_and_past_their_bound_are_429(base_url: str) -> None:
+    """One request runs and one waits in a worker replica: of background responses sent together
+    the next meets a full queue. It stays `queued` and is tried again after Retry-After (never
+    `failed` as a 429), so every one completes as a synchronous request does; one more than the
+    ingress holds is refused with 429 naming `background`."""
+    body = {"model": MODEL, "input": "Long:", "max_output_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "speculation": {"drafter": "none"}}
+    ids = []
+    for _ in range(BACKGROUND_HELD):
+        r = _post(base_url, "/v1/responses", {**body, "background": True})
+        assert r.status_code == 200 and r.json()["status"] == "queued", r.text
+        ids.append(r.json()["id"])
+    refused = _post(base_url, "/v1/responses", {**body, "background": True})
+    assert _assert_openai_error(refused, 429, "background")["code"] == "rate_limit_exceeded"
+    assert int(refused.headers["retry-after"]) >= 1
+
+    def read(response_id: str) -> dict:
+        return requests.get(f"{base_url}/v1/responses/{response_id}", headers=AUTH, timeout=30).json()
+
+    wait_for(lambda: all(read(i)["status"] not in ("queued", "in_progress") for i in ids),
+             "the background responses", 120, every_s=0.2)
+    sync = _post(base_url, "/v1/responses", {**body, "store": False}).json()
+    for response_id in ids:
+        done = read(response_id)
+        assert done["status"] == sync["status"] == "incomplete", done
+        assert done["output"][0]["content"][0]["text"] == sync["output"][0]["content"][0]["text"]
+    again = _post(base_url, "/v1/responses", {**body, "background": True, "max_output_tokens": 4})  # room again
+    assert again.status_code == 200, again.text
+    wait_for(lambda: read(again.json()["id"])["status"] == "incomplete", "the last background response", 60)
 
 
 def test_queue_time_counts_the_wait_for_a_replica(base_url: str) -> None:
