@@ -124,6 +124,7 @@ INGRESS_MAX_ONGOING_REQUESTS = 1024  # the ingress only relays: its limit is the
 STATS_URL_ENV = "SPECROUTE_REDIS_URL"  # the shared statistics store, when the Serve config names none
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 STATIC_FILES = {"chart.umd.min.js": "text/javascript; charset=utf-8"}  # served at /static/<name>; nothing else
+STORED_RESPONSES_TTL_S = 30 * 24 * 3600.0  # OpenAI keeps a stored response 30 days
 BACKGROUND_UNAVAILABLE_RETRIES = 3  # a background response's tries on a replica that went away, after the first
 _UNAVAILABLE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)  # a replica died or is starting
 _CANCELLED = (TaskCancelledError, RequestCancelledError, asyncio.CancelledError)  # Serve cancels a gone client's call
@@ -208,6 +209,10 @@ class AppArgs(BaseModel):
     responses_url: str | None = Field(
         None, description="redis:// URL where stored responses live, shared by the ingress replicas and kept across "
                           "restarts, under the stats_prefix (default: the ingress's memory)")
+    stored_responses_ttl_s: float | None = Field(
+        STORED_RESPONSES_TTL_S, gt=0, description="a stored response neither stored nor read for this long is "
+                                                   "dropped (default 30 days, as long as OpenAI keeps them; null: "
+                                                   "kept until max_stored_responses drops it)")
     max_background_responses: int = Field(
         64, ge=0, description="background responses (`background: true`) an ingress replica holds, queued or "
                               "generated; more are refused with 429 and Retry-After (0: background refused)")
@@ -537,7 +542,7 @@ class OpenAIIngress:
         self._context_limit: int | None = None
         self._sampling_defaults: dict[str, float | int] | None = None
         self.stored_responses = make_response_store(self.args.responses_url, self.args.max_stored_responses,
-                                                    prefix=self.args.stats_prefix)
+                                                    self.args.stored_responses_ttl_s, prefix=self.args.stats_prefix)
         self._background: dict[str, asyncio.Task[None]] = {}  # background responses this ingress generates
         self.admin_token = self.args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
         guard.configure(self.args.max_request_bytes, self.args.retry_after_s,

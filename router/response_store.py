@@ -1,5 +1,6 @@
 """The Responses API's stored responses (`store`, `previous_response_id`, `GET` and `DELETE
-/v1/responses/{id}`): the most recent `max_responses`, the least recently used dropped first.
+/v1/responses/{id}`): the most recent `max_responses`, the least recently used dropped first,
+and none left unused (neither stored nor read) for `ttl_s`.
 
 Two backends:
   * `MemoryResponseStore` (the default): the ingress replica's memory, as vLLM keeps them in its
@@ -23,7 +24,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -38,10 +39,23 @@ log = logging.getLogger("specroute.responses")
 
 _REDIS_ERRORS = (redis.RedisError, OSError)
 
-# put: store responses (ARGV[2..]: id, JSON, last use; repeated), then drop the least recently used
+# Both scripts first drop the responses last used at or before ARGV[2] (-1: none) and, with a TTL
+# (ARGV[3] s, 0: none), let both keys expire with the last use.
+_EXPIRE = """
+local stale = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[2])
+for i = 1, #stale do redis.call('HDEL', KEYS[1], stale[i]) end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[2])
+local function touch()
+  if tonumber(ARGV[3]) > 0 then
+    redis.call('EXPIRE', KEYS[1], ARGV[3])
+    redis.call('EXPIRE', KEYS[2], ARGV[3])
+  end
+end
+"""
+# put: store responses (ARGV[4..]: id, JSON, last use; repeated), then drop the least recently used
 # beyond the bound (ARGV[1])
-_PUT_SCRIPT = """
-for i = 2, #ARGV, 3 do
+_PUT_SCRIPT = _EXPIRE + """
+for i = 4, #ARGV, 3 do
   redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
   redis.call('ZADD', KEYS[2], ARGV[i + 2], ARGV[i])
 end
@@ -50,6 +64,16 @@ if excess > 0 then
   local old = redis.call('ZPOPMIN', KEYS[2], excess)
   for i = 1, #old, 2 do redis.call('HDEL', KEYS[1], old[i]) end
 end
+touch()
+"""
+# get: the response ARGV[4] (nil where there is none), marked used at ARGV[1]
+_GET_SCRIPT = _EXPIRE + """
+local raw = redis.call('HGET', KEYS[1], ARGV[4])
+if raw then
+  redis.call('ZADD', KEYS[2], 'XX', ARGV[1], ARGV[4])
+  touch()
+end
+return raw
 """
 
 
@@ -73,6 +97,7 @@ class ResponseStoreUnavailable(RuntimeError):
 
 class ResponseStore(Protocol):
     max_responses: int
+    ttl_s: float | None  # None: kept until the bound drops them
 
     async def put(self, response_id: str, stored: StoredResponse) -> None: ...
 
@@ -83,32 +108,53 @@ class ResponseStore(Protocol):
     def health(self) -> ResponseStoreHealth: ...
 
 
+@dataclass
+class _Kept:
+    stored: StoredResponse
+    used_at: float  # the clock's time of its last put or get
+
+
 class MemoryResponseStore:
-    def __init__(self, max_responses: int) -> None:
+    def __init__(self, max_responses: int, ttl_s: float | None = None, clock: Callable[[], float] = time.time) -> None:
         self.max_responses = max_responses
-        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._responses: OrderedDict[str, _Kept] = OrderedDict()  # the least recently used first
+
+    def _expire(self) -> None:
+        if self.ttl_s is None:
+            return
+        stale_at = self._clock() - self.ttl_s
+        while self._responses and next(iter(self._responses.values())).used_at <= stale_at:
+            self._responses.popitem(last=False)
 
     async def put(self, response_id: str, stored: StoredResponse) -> None:
-        self._responses[response_id] = stored
+        self._expire()
+        self._responses[response_id] = _Kept(stored, self._clock())
         self._responses.move_to_end(response_id)
         while len(self._responses) > self.max_responses:
             self._responses.popitem(last=False)
 
     async def get(self, response_id: str) -> StoredResponse | None:
-        stored = self._responses.get(response_id)
-        if stored is not None:
-            self._responses.move_to_end(response_id)
-        return stored
+        self._expire()
+        kept = self._responses.get(response_id)
+        if kept is None:
+            return None
+        kept.used_at = self._clock()
+        self._responses.move_to_end(response_id)
+        return kept.stored
 
     async def delete(self, response_id: str) -> bool:
         return self._responses.pop(response_id, None) is not None
 
     def __len__(self) -> int:
+        self._expire()
         return len(self._responses)
 
-    def items(self) -> list[tuple[str, StoredResponse]]:
-        """Every stored response, the least recently used first."""
-        return list(self._responses.items())
+    def items(self) -> list[tuple[str, StoredResponse, float]]:
+        """Every stored response with its last use, the least recently used first."""
+        self._expire()
+        return [(response_id, kept.stored, kept.used_at) for response_id, kept in self._responses.items()]
 
     def health(self) -> ResponseStoreHealth:
         return ResponseStoreHealth("memory", connected=True, num_errors=0, num_local=len(self))
@@ -117,14 +163,17 @@ class MemoryResponseStore:
 class RedisResponseStore:
     """Keys `{prefix}:responses:v1:items` (a HASH: id -> the stored response as JSON) and
     `{prefix}:responses:v1:used` (a sorted set: id -> when last put or read), on one cluster slot.
-    The statistics' reset (`{prefix}:v1:*`) leaves them alone.
+    Each put and get first drops the responses unused for `ttl_s`, and both keys expire `ttl_s`
+    after the last use, so a deployment gone leaves nothing behind. The statistics' reset
+    (`{prefix}:v1:*`) leaves them alone.
 
     After a failure Redis is not tried again for `retry_s`: meanwhile responses go to, and are
     read from, the replica's memory (bounded alike), so a dead Redis costs a request nothing.
     The first operation that reaches Redis again moves them there, for every replica to read."""
 
-    def __init__(self, client: str | aioredis.Redis, max_responses: int, *, prefix: str = DEFAULT_PREFIX,
-                 timeout_s: float = 1.0, retry_s: float = 1.0) -> None:
+    def __init__(self, client: str | aioredis.Redis, max_responses: int, ttl_s: float | None = None, *,
+                 prefix: str = DEFAULT_PREFIX, timeout_s: float = 1.0, retry_s: float = 1.0,
+                 clock: Callable[[], float] = time.time) -> None:
         tag = hash_tag(prefix)
         if isinstance(client, str):
             # redis-py retries with backoff by default: far too long on a request path
@@ -132,11 +181,14 @@ class RedisResponseStore:
                                              retry=Retry(NoBackoff(), 0))
         self._redis = client
         self.max_responses = max_responses
+        self.ttl_s = ttl_s
         self.retry_s = retry_s
+        self._clock = clock
         self._items_key = f"{tag}:responses:v1:items"
         self._used_key = f"{tag}:responses:v1:used"
         self._put_script = client.register_script(_PUT_SCRIPT)
-        self._local = MemoryResponseStore(max_responses)  # what Redis could not take
+        self._get_script = client.register_script(_GET_SCRIPT)
+        self._local = MemoryResponseStore(max_responses, ttl_s, clock)  # what Redis could not take
         self._moving = asyncio.Lock()  # held while the local responses move to Redis
         self._retry_at = -math.inf
         self._num_errors = 0
@@ -172,22 +224,27 @@ class RedisResponseStore:
             except _REDIS_ERRORS as e:
                 self._failed(e)
                 return
-            for response_id, _ in items:
+            for response_id, _, _ in items:
                 await self._local.delete(response_id)
             log.info("moved %d responses stored in this replica's memory to Redis", len(items))
 
-    async def _store(self, items: list[tuple[str, StoredResponse]]) -> None:
-        """Put `items` (the least recently used first) in Redis, marked used now in that order."""
-        now = time.time()
-        args: list[str | float | int] = [self.max_responses]
-        for i, (response_id, stored) in enumerate(items):
-            args += [response_id, json.dumps(asdict(stored)), now - 1e-3 * (len(items) - 1 - i)]
+    def _expiry_args(self) -> list[float | int]:
+        """The scripts' ARGV[2] and ARGV[3]: the last use that expires a response, the keys' TTL."""
+        if self.ttl_s is None:
+            return [-1, 0]
+        return [self._clock() - self.ttl_s, math.ceil(self.ttl_s)]
+
+    async def _store(self, items: list[tuple[str, StoredResponse, float]]) -> None:
+        """Put `items` (id, response, last use; the least recently used first) in Redis."""
+        args: list[str | float | int] = [self.max_responses, *self._expiry_args()]
+        for response_id, stored, used_at in items:
+            args += [response_id, json.dumps(asdict(stored)), used_at]
         await self._put_script(keys=[self._items_key, self._used_key], args=args)
 
     async def put(self, response_id: str, stored: StoredResponse) -> None:
         if self._may_try():
             try:
-                await self._store([(response_id, stored)])
+                await self._store([(response_id, stored, self._clock())])
             except _REDIS_ERRORS as e:
                 self._failed(e)
             else:
@@ -199,26 +256,30 @@ class RedisResponseStore:
         local = await self._local.get(response_id)
         if local is not None:
             return local
-        raw, _ = await self._transaction(lambda pipe: pipe.hget(self._items_key, response_id).zadd(
-            self._used_key, {response_id: time.time()}, xx=True))
+        raw = await self._on_redis(lambda: self._get_script(
+            keys=[self._items_key, self._used_key], args=[self._clock(), *self._expiry_args(), response_id]))
         return None if raw is None else StoredResponse(**json.loads(raw))
 
     async def delete(self, response_id: str) -> bool:
         async with self._moving:
             if await self._local.delete(response_id):  # a response is in one place: here or in Redis
                 return True
-        num_deleted, _ = await self._transaction(
-            lambda pipe: pipe.hdel(self._items_key, response_id).zrem(self._used_key, response_id))
+        num_deleted, _ = await self._on_redis(lambda: self._transaction(
+            lambda pipe: pipe.hdel(self._items_key, response_id).zrem(self._used_key, response_id)))
         return num_deleted > 0
 
     async def _transaction(self, commands: Callable[[aioredis.client.Pipeline], aioredis.client.Pipeline]) -> list[Any]:
-        """The results of one MULTI/EXEC of `commands`; ResponseStoreUnavailable where Redis is
-        not tried (a recent failure) or fails."""
+        """The results of one MULTI/EXEC of `commands`."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            return await commands(pipe).execute()
+
+    async def _on_redis(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """What `call` returns; ResponseStoreUnavailable where Redis is not tried (a recent
+        failure) or fails."""
         if not self._may_try():
             raise ResponseStoreUnavailable("the responses Redis is unreachable")
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                results = await commands(pipe).execute()
+            results = await call()
         except _REDIS_ERRORS as e:
             self._failed(e)
             raise ResponseStoreUnavailable(f"the responses Redis is unreachable: {type(e).__name__}") from None
@@ -226,8 +287,9 @@ class RedisResponseStore:
         return results
 
 
-def make_response_store(url: str | None, max_responses: int, *, prefix: str | None = None) -> ResponseStore:
+def make_response_store(url: str | None, max_responses: int, ttl_s: float | None = None, *,
+                        prefix: str | None = None) -> ResponseStore:
     """The Redis store at `url`, else the replica's memory."""
     if url is None:
-        return MemoryResponseStore(max_responses)
-    return RedisResponseStore(url, max_responses, prefix=prefix or DEFAULT_PREFIX)
+        return MemoryResponseStore(max_responses, ttl_s)
+    return RedisResponseStore(url, max_responses, ttl_s, prefix=prefix or DEFAULT_PREFIX)

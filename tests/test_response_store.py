@@ -81,6 +81,43 @@ def test_the_least_recently_used_goes_first_whichever_replica_used_it(kind: str,
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_a_response_unused_for_the_ttl_is_dropped_and_each_use_renews_it(kind: str, prefix: str) -> None:
+    now = [1000.0]
+
+    def clock() -> float:
+        return now[0]
+
+    if kind == "redis":
+        _redis_or_skip()
+    one, other = ((RedisResponseStore(REDIS_URL, 10, 60, prefix=prefix, clock=clock),
+                   RedisResponseStore(REDIS_URL, 10, 60, prefix=prefix, clock=clock)) if kind == "redis" else
+                  (MemoryResponseStore(10, 60, clock),) * 2)
+
+    async def run() -> None:
+        await one.put("a", _stored("a"))
+        now[0] = 1030
+        await one.put("b", _stored("b"))
+        now[0] = 1050
+        assert await other.get("a") == _stored("a")  # read 50 s after its put: used again
+        now[0] = 1095
+        assert await other.get("b") is None and await one.get("a") == _stored("a")  # b unused for 65 s
+        now[0] = 1156
+        assert await one.get("a") is None and await other.get("a") is None
+        await one.put("c", _stored("c"))
+        assert await other.get("c") == _stored("c")
+
+    asyncio.run(run())
+    if kind == "redis":  # the keys go with their last use
+        client = redis.Redis.from_url(REDIS_URL, socket_timeout=2)
+        keys = list(client.scan_iter(match=f"{{{prefix}}}:responses:*"))
+        assert len(keys) == 2 and all(0 < client.ttl(k) <= 60 for k in keys), keys
+        asyncio.run(RedisResponseStore(REDIS_URL, 10, prefix=f"{prefix}-kept").put("d", _stored("d")))
+        assert all(client.ttl(k) == -1 for k in client.scan_iter(match=f"{{{prefix}-kept}}:responses:*"))
+        client.delete(*client.scan_iter(match=f"{{{prefix}-kept}}:*"))
+        client.close()
+
+
 def test_a_stats_reset_leaves_the_stored_responses(prefix: str) -> None:
     _redis_or_skip()
     store = RedisResponseStore(REDIS_URL, 10, prefix=prefix)
