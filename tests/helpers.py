@@ -63,11 +63,20 @@ def slow_device_waits(monkeypatch: pytest.MonkeyPatch, module: str, wait_s: floa
     return waits
 
 
+# A replica shutting down waits Serve's graceful_shutdown_wait_loop_s (2 s) for routers to stop
+# sending it requests; a test's app going down has no traffic left, so its replicas need not wait.
+SHUTDOWN_QUICKLY = {name: {"name": name, "graceful_shutdown_wait_loop_s": 0.1} for name in ("OpenAIIngress",
+                                                                                          "TargetWorker")}
+
+
 def tiny_serve_config(engine: EngineConfig, workdir: Path, model_name: str, deployments: list[dict] | None = None,
                       **args: Any) -> tuple[Path, int]:
     """A Serve config of the app on 127.0.0.1 and a free port, one CPU replica unless `args` say
     otherwise; `deployments`: the Serve config's per-deployment overrides. Its path, and the port."""
     port = free_port()
+    named = {d["name"]: d for d in deployments or []}
+    deployments = [*(d for d in deployments or [] if d["name"] not in SHUTDOWN_QUICKLY),
+                   *({**SHUTDOWN_QUICKLY[name], **named.get(name, {})} for name in SHUTDOWN_QUICKLY)]
     app_args = {"served_model_name": model_name, "engine": engine.model_dump(mode="json"), "max_ongoing_requests": 8,
                 "num_replicas": 1, "num_cpus": 1, "num_gpus": 0,
                 "allowed_dirs": sorted({str(path.parent) for _, path in engine.local_paths()}), **args}
@@ -75,7 +84,7 @@ def tiny_serve_config(engine: EngineConfig, workdir: Path, model_name: str, depl
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": port},
         "applications": [{"name": "specroute", "route_prefix": "/", "import_path": "router.app:build_app",
-                          "args": app_args, "deployments": deployments or []}],
+                          "args": app_args, "deployments": deployments}],
     }
     path = workdir / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
