@@ -40,7 +40,8 @@ from router.tools import Answer, ToolChoice
 from workers.result import GenerationResult, TokenLogprobs
 
 # what a field of the chat request came from, for error messages
-_FIELD_OF_CHAT = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+_FIELD_OF_CHAT = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+                  "reasoning_effort": "reasoning.effort"}
 
 
 # -- requests --------------------------------------------------------------------------------
@@ -164,12 +165,13 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice = "auto"
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
+    reasoning: dict[str, Any] | None = Field(None, description="its `effort` reaches the chat template as chat's "
+                                                               "reasoning_effort does")
     # accepted, and ignored: they do not change what is generated
     metadata: dict[str, str] | None = None
     user: str | None = None
     store: bool | None = Field(None, description="keep the response for previous_response_id and GET "
                                                  "/v1/responses/{id} (default: true, as OpenAI)")
-    reasoning: dict[str, Any] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
@@ -239,6 +241,8 @@ class ResponsesRequest(BaseModel):
         }
         if self.speculation is not None:
             body["speculation"] = self.speculation.model_dump()
+        if self.reasoning and self.reasoning.get("effort") is not None:
+            body["reasoning_effort"] = self.reasoning["effort"]
         if self.with_logprobs:
             body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools:

@@ -557,7 +557,9 @@ class ChatCompletionRequest(GenerationRequestBase):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
     parallel_tool_calls: bool | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: str | None = Field(None, description="the chat template's variable `reasoning_effort` (as "
+                                                           "transformers' gpt-oss template reads it), unless "
+                                                           "chat_template_kwargs set it")
     logprobs: bool | None = Field(None, description="return each output token's logprob")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="and this many likeliest tokens at its position")
@@ -579,7 +581,7 @@ class ChatCompletionRequest(GenerationRequestBase):
     include_reasoning: bool = Field(True, description="extension: answer a reasoning model's thinking as "
                                                       "`reasoning` (false: leave it out)")
     # OpenAI's chat fields that do not change the output here: accepted and ignored (one verbosity
-    # here, as one reasoning effort; the prefix cache is this server's own, cache_salt bounds it)
+    # here; the prefix cache is this server's own, cache_salt bounds it)
     verbosity: Literal["low", "medium", "high"] | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
@@ -656,7 +658,9 @@ class ChatCompletionRequest(GenerationRequestBase):
 
     @property
     def template_kwargs(self) -> dict[str, Any] | None:
-        return self.chat_template_kwargs
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     @field_validator("echo")
     @classmethod

@@ -457,6 +457,9 @@ Call a function with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im
 # Qwen3's way, with DeepSeek-R1's default: the prompt opens the thinking, or with enable_thinking
 # false holds an empty one
 THINKING_TEMPLATE = """\
+{%- if reasoning_effort is defined %}<|im_start|>system
+Reasoning: {{ reasoning_effort }}<|im_end|>
+{% endif %}
 {%- for m in messages %}<|im_start|>{{ m.role }}
 {{ m.content or '' }}<|im_end|>
 {% endfor %}

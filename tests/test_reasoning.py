@@ -1,7 +1,8 @@
 """Reasoning models (target.reasoning_parser): the thinking answered apart from the answer, split
 alike however the output streams; where the thinking starts read from the rendered prompt;
 response formats holding the answer after it, losslessly under speculation; and over HTTP, chat
-and /v1/responses with a template that opens the thinking unless `chat_template_kwargs` turn it off."""
+and /v1/responses with a template that opens the thinking unless `chat_template_kwargs` turn it off
+and reads the reasoning effort."""
 
 from __future__ import annotations
 
@@ -197,7 +198,13 @@ def test_reasoning_over_http(tiny_config: EngineConfig, tmp_path: Path) -> None:
         assert guided.finish_reason == "stop"
         jsonschema.validate(json.loads(guided.message.content), SCHEMA)
 
+        effort = client.chat.completions.create(reasoning_effort="high", **common)
+        assert effort.usage.prompt_tokens > completion.usage.prompt_tokens  # the template's Reasoning: line
+
         response = client.responses.create(model=MODEL, input="What is 2 + 2?", max_output_tokens=16, temperature=0)
+        high = client.responses.create(model=MODEL, input="What is 2 + 2?", max_output_tokens=1,
+                                       reasoning={"effort": "high"})
+        assert high.usage.input_tokens == effort.usage.prompt_tokens > response.usage.input_tokens
         [item] = response.output
         assert item.type == "reasoning" and item.content[0].text == reasoning
         assert response.usage.output_tokens_details.reasoning_tokens == 16
