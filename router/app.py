@@ -63,7 +63,7 @@ from router.messages import (
 from router.messages import error_type as messages_error_type
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.metrics import render as render_metrics
-from router.observation import Observation
+from router.observation import BackgroundResponses, Observation
 from router.replica_affinity import DEFAULT_MAX_IMBALANCE, PrefixAffinityRouter
 from router.response_store import ResponseStoreUnavailable, StoredResponse, make_response_store
 from router.responses import (
@@ -948,7 +948,8 @@ class OpenAIIngress:
         observations = [Observation.from_json(a) for a in answers if isinstance(a, dict)]
         if not observations:
             raise APIError(503, f"no worker replica answered observe: {answers!r}", type="internal_error")
-        return replace(combine(observations), response_store=self.stored_responses.health())
+        return replace(combine(observations), response_store=self.stored_responses.health(),
+                       background=BackgroundResponses(len(self._background), self.args.max_background_responses))
 
     # -- helpers ------------------------------------------------------------------------------
     async def _max_model_len(self) -> int:

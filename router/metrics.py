@@ -48,6 +48,7 @@ class SpecRouteCollector:
         yield from self._batching()
         yield from self._traffic_memory()
         yield from self._store()
+        yield from self._background()
 
     def _spec_decode(self) -> Iterator[Metric]:
         labels = ["domain", "drafter"]
@@ -197,6 +198,14 @@ class SpecRouteCollector:
         yield _by_backend(GaugeMetricFamily, "response_store_local", "Stored responses in the ingress's memory "
                           "(redis: those stored while it was unreachable, until it answers again)", responses.backend,
                           responses.num_local)
+
+    def _background(self) -> Iterator[Metric]:
+        if (background := self.obs.background) is None:
+            return
+        yield GaugeMetricFamily(f"{PREFIX}background_responses", "Background responses the ingress holds, queued or "
+                                "generated", value=background.num_held)
+        yield GaugeMetricFamily(f"{PREFIX}background_responses_limit", "Background responses the ingress may hold "
+                                "(max_background_responses)", value=background.max_held)
 
 
 def _by_backend(

@@ -42,6 +42,12 @@ class TrafficMemoryView:
 
 
 @dataclass(frozen=True)
+class BackgroundResponses:
+    num_held: int  # background responses an ingress holds, queued or generated
+    max_held: int  # its max_background_responses
+
+
+@dataclass(frozen=True)
 class Observation:
     replica: str  # the worker replica that answered
     policy_version: str
@@ -59,6 +65,7 @@ class Observation:
     # per drafter that learns from traffic (suffix): tokens held per domain, and its budget
     traffic_memory: Mapping[str, TrafficMemoryView] = field(default_factory=dict)
     response_store: ResponseStoreHealth | None = None  # the ingress's stored responses (set by the ingress)
+    background: BackgroundResponses | None = None  # set by the ingress
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Observation:

@@ -99,6 +99,7 @@ def stats_json(obs: Observation) -> dict[str, Any]:
         "degraded": obs.all_time.degraded or obs.window.degraded,
         "store": asdict(obs.store),
         "response_store": None if obs.response_store is None else asdict(obs.response_store),
+        "background_responses": None if obs.background is None else asdict(obs.background),
         "domains": {d: _domain(obs, d) for d in obs.domains},
         "drafters": list(obs.drafters),
         "series": series(obs),

@@ -292,6 +292,8 @@ def test_metrics_equal_the_sums_of_the_responses(base_url: str, traffic: list[di
     # stored responses: in the ingress's memory here (RESPONSES are chat completions: none stored)
     assert [(s.labels, s.value) for s in fams["specroute_response_store_connected"]] == [({"backend": "memory"}, 1)]
     assert fams["specroute_response_store_local"][0].value == 0
+    assert (fams["specroute_background_responses"][0].value, fams["specroute_background_responses_limit"][0].value) \
+        == (0, 64)
 
 
 def test_batching_metrics_count_the_steps(base_url: str, traffic: list[dict]) -> None:

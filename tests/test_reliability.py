@@ -381,6 +381,8 @@ def test_background_responses_wait_for_room_and_past_their_bound_are_429(base_ur
     refused = _post(base_url, "/v1/responses", {**body, "background": True})
     assert _assert_openai_error(refused, 429, "background")["code"] == "rate_limit_exceeded"
     assert int(refused.headers["retry-after"]) >= 1
+    held = requests.get(f"{base_url}/v1/stats", timeout=30).json()["background_responses"]
+    assert 0 < held["num_held"] <= held["max_held"] == BACKGROUND_HELD, held  # the first may be done by now
 
     def read(response_id: str) -> dict:
         return requests.get(f"{base_url}/v1/responses/{response_id}", headers=AUTH, timeout=30).json()
@@ -395,6 +397,10 @@ def test_background_responses_wait_for_room_and_past_their_bound_are_429(base_ur
     again = _post(base_url, "/v1/responses", {**body, "background": True, "max_output_tokens": 4})  # room again
     assert again.status_code == 200, again.text
     wait_for(lambda: read(again.json()["id"])["status"] == "incomplete", "the last background response", 60)
+    fams = {f.name: f.samples for f in text_string_to_metric_families(
+        requests.get(f"{base_url}/metrics", timeout=30).text)}
+    assert (fams["specroute_background_responses"][0].value, fams["specroute_background_responses_limit"][0].value) \
+        == (0, BACKGROUND_HELD)
 
 
 def test_queue_time_counts_the_wait_for_a_replica(base_url: str) -> None:
