@@ -440,7 +440,8 @@ def test_grafana_dashboard_queries_existing_metrics(base_url: str, traffic: list
                 "specroute_verify_stage_seconds_bucket", "specroute_stats_store_connected"}
     assert contract <= used
     assert {"specroute_response_store_connected", "specroute_response_store_errors_total",
-            "specroute_response_store_local"} <= used
+            "specroute_response_store_local", "specroute_background_responses",
+            "specroute_background_responses_limit"} <= used
     assert {"specroute_prefix_cache_hits_total", "specroute_prefix_cache_queries_total",
             "specroute_num_preemptions_total", "specroute_prefix_cache_tokens", "specroute_prompt_tokens_total",
             "specroute_generation_tokens_total", "specroute_kv_cache_usage_perc",
