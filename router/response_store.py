@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -109,7 +109,7 @@ class ResponseStore(Protocol):
 
 
 @dataclass
-class _Kept:
+class KeptResponse:
     stored: StoredResponse
     used_at: float  # the clock's time of its last put or get
 
@@ -119,7 +119,7 @@ class MemoryResponseStore:
         self.max_responses = max_responses
         self.ttl_s = ttl_s
         self._clock = clock
-        self._responses: OrderedDict[str, _Kept] = OrderedDict()  # the least recently used first
+        self._responses: OrderedDict[str, KeptResponse] = OrderedDict()  # the least recently used first
 
     def _expire(self) -> None:
         if self.ttl_s is None:
@@ -130,7 +130,7 @@ class MemoryResponseStore:
 
     async def put(self, response_id: str, stored: StoredResponse) -> None:
         self._expire()
-        self._responses[response_id] = _Kept(stored, self._clock())
+        self._responses[response_id] = KeptResponse(stored, self._clock())
         self._responses.move_to_end(response_id)
         while len(self._responses) > self.max_responses:
             self._responses.popitem(last=False)
@@ -151,10 +151,10 @@ class MemoryResponseStore:
         self._expire()
         return len(self._responses)
 
-    def items(self) -> list[tuple[str, StoredResponse, float]]:
-        """Every stored response with its last use, the least recently used first."""
+    def kept(self) -> dict[str, KeptResponse]:
+        """Every stored response by id, with its last use, the least recently used first."""
         self._expire()
-        return [(response_id, kept.stored, kept.used_at) for response_id, kept in self._responses.items()]
+        return dict(self._responses)
 
     def health(self) -> ResponseStoreHealth:
         return ResponseStoreHealth("memory", connected=True, num_errors=0, num_local=len(self))
@@ -215,18 +215,18 @@ class RedisResponseStore:
             await self._move_local()
 
     async def _move_local(self) -> None:
-        """Move the responses stored here while Redis was unreachable into it, in one call that
-        keeps their order of use. `delete` waits for the move, so what it deletes stays deleted."""
+        """Move the responses stored here while Redis was unreachable into it, in one call, each
+        with its last use. `delete` waits for the move, so what it deletes stays deleted."""
         async with self._moving:
-            items = self._local.items()
+            kept = self._local.kept()
             try:
-                await self._store(items)
+                await self._store(kept)
             except _REDIS_ERRORS as e:
                 self._failed(e)
                 return
-            for response_id, _, _ in items:
+            for response_id in kept:
                 await self._local.delete(response_id)
-            log.info("moved %d responses stored in this replica's memory to Redis", len(items))
+            log.info("moved %d responses stored in this replica's memory to Redis", len(kept))
 
     def _expiry_args(self) -> list[float | int]:
         """The scripts' ARGV[2] and ARGV[3]: the last use that expires a response, the keys' TTL."""
@@ -234,17 +234,17 @@ class RedisResponseStore:
             return [-1, 0]
         return [self._clock() - self.ttl_s, math.ceil(self.ttl_s)]
 
-    async def _store(self, items: list[tuple[str, StoredResponse, float]]) -> None:
-        """Put `items` (id, response, last use; the least recently used first) in Redis."""
+    async def _store(self, kept: Mapping[str, KeptResponse]) -> None:
+        """Put responses by id (the least recently used first) in Redis, with their last use."""
         args: list[str | float | int] = [self.max_responses, *self._expiry_args()]
-        for response_id, stored, used_at in items:
-            args += [response_id, json.dumps(asdict(stored)), used_at]
+        for response_id, response in kept.items():
+            args += [response_id, json.dumps(asdict(response.stored)), response.used_at]
         await self._put_script(keys=[self._items_key, self._used_key], args=args)
 
     async def put(self, response_id: str, stored: StoredResponse) -> None:
         if self._may_try():
             try:
-                await self._store([(response_id, stored, self._clock())])
+                await self._store({response_id: KeptResponse(stored, self._clock())})
             except _REDIS_ERRORS as e:
                 self._failed(e)
             else:
