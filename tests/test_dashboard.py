@@ -85,7 +85,7 @@ def test_dashboard_charts_show_data(base_url: str, traffic: None, tmp_path: Path
     assert set(has) == set(CHARTS)
     assert all(has[c] == "true" for c in ("acceptance", "mal", "speedup", "acceptance_t", "decisions_t")), has
     assert re.search(r'id="version">default-7<', out.stdout)
-    assert re.search(r'id="responses">memory, \d+ stored<', out.stdout)
+    assert re.search(r'id="responses">memory, \d+ stored, 0/64 background<', out.stdout)
     assert re.search(r'id="batch">[^<]*prefix cache [^<]* hits \(\d+ tokens held\), 0 preemptions, '
                      r'KV cache 0% reserved; [1-9]\d* prompt and [1-9]\d* generated tokens, '
                      r'finished \d+ stop / [1-9]\d* length / 0 abort / 0 error<', out.stdout)
