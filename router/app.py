@@ -335,9 +335,7 @@ def _as_api_error(e: BaseException) -> APIError:
     if isinstance(e, _CANCELLED):  # Serve cancelled the call of a client that went away: no one to answer
         return APIError(499, "client closed the request", code="client_closed_request")
     if isinstance(e, BackPressureError):  # the queue in front of the workers is full
-        return APIError(429, f"the service is at capacity; retry after {guard.SETTINGS.retry_after_s} s",
-                        code="rate_limit_exceeded", type="rate_limit_error",
-                        headers={"retry-after": str(guard.SETTINGS.retry_after_s)})
+        return _at_capacity("the service is at capacity")
     if isinstance(e, _UNAVAILABLE):  # Serve restarts the replica; the request may be retried
         log.warning("a worker replica is unavailable: %s", type(e).__name__)
         return APIError(503, f"the worker replica serving this request is unavailable ({type(e).__name__}); "
@@ -346,6 +344,13 @@ def _as_api_error(e: BaseException) -> APIError:
     log.error("request failed: %r", e, exc_info=e)
     # the exception's own words, as vLLM's 500s carry them: what a client can report
     return APIError(500, f"internal error: {type(e).__name__}: {e}"[:_MAX_INTERNAL_MESSAGE], type="internal_error")
+
+
+def _at_capacity(message: str, param: str | None = None) -> APIError:
+    """A 429 whose `message` asks the client to retry after Retry-After."""
+    return APIError(429, f"{message}; retry after {guard.SETTINGS.retry_after_s} s", param,
+                    code="rate_limit_exceeded", type="rate_limit_error",
+                    headers={"retry-after": str(guard.SETTINGS.retry_after_s)})
 
 
 def _background_retry_s(e: APIError, num_unavailable: int) -> float | None:
@@ -836,10 +841,8 @@ class OpenAIIngress:
         if held == 0:
             return APIError(400, "background: this server runs no background responses "
                                  "(max_background_responses: 0)", "background")
-        return APIError(429, f"background: this server holds {held} background responses, queued or generated; "
-                             f"retry after {guard.SETTINGS.retry_after_s} s", "background",
-                        code="rate_limit_exceeded", type="rate_limit_error",
-                        headers={"retry-after": str(guard.SETTINGS.retry_after_s)})
+        return _at_capacity(f"background: this server holds {held} background responses, queued or generated",
+                            "background")
 
     def _no_response(self, response_id: str, param: str | None = None) -> APIError:
         return APIError(404, f"no stored response {response_id!r}: this server keeps the last "

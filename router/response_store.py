@@ -264,14 +264,9 @@ class RedisResponseStore:
         async with self._moving:
             if await self._local.delete(response_id):  # a response is in one place: here or in Redis
                 return True
-        num_deleted, _ = await self._on_redis(lambda: self._transaction(
-            lambda pipe: pipe.hdel(self._items_key, response_id).zrem(self._used_key, response_id)))
+        num_deleted, _ = await self._on_redis(lambda: self._redis.pipeline(transaction=True).hdel(
+            self._items_key, response_id).zrem(self._used_key, response_id).execute())
         return num_deleted > 0
-
-    async def _transaction(self, commands: Callable[[aioredis.client.Pipeline], aioredis.client.Pipeline]) -> list[Any]:
-        """The results of one MULTI/EXEC of `commands`."""
-        async with self._redis.pipeline(transaction=True) as pipe:
-            return await commands(pipe).execute()
 
     async def _on_redis(self, call: Callable[[], Awaitable[Any]]) -> Any:
         """What `call` returns; ResponseStoreUnavailable where Redis is not tried (a recent

@@ -74,9 +74,9 @@ def tiny_serve_config(engine: EngineConfig, workdir: Path, model_name: str, depl
     """A Serve config of the app on 127.0.0.1 and a free port, one CPU replica unless `args` say
     otherwise; `deployments`: the Serve config's per-deployment overrides. Its path, and the port."""
     port = free_port()
-    named = {d["name"]: d for d in deployments or []}
-    deployments = [*(d for d in deployments or [] if d["name"] not in SHUTDOWN_QUICKLY),
-                   *({**SHUTDOWN_QUICKLY[name], **named.get(name, {})} for name in SHUTDOWN_QUICKLY)]
+    by_name = dict(SHUTDOWN_QUICKLY)
+    for d in deployments or []:
+        by_name[d["name"]] = {**by_name.get(d["name"], {}), **d}
     app_args = {"served_model_name": model_name, "engine": engine.model_dump(mode="json"), "max_ongoing_requests": 8,
                 "num_replicas": 1, "num_cpus": 1, "num_gpus": 0,
                 "allowed_dirs": sorted({str(path.parent) for _, path in engine.local_paths()}), **args}
@@ -84,7 +84,7 @@ def tiny_serve_config(engine: EngineConfig, workdir: Path, model_name: str, depl
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": port},
         "applications": [{"name": "specroute", "route_prefix": "/", "import_path": "router.app:build_app",
-                          "args": app_args, "deployments": deployments}],
+                          "args": app_args, "deployments": list(by_name.values())}],
     }
     path = workdir / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
