@@ -126,6 +126,7 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"
 STATIC_FILES = {"chart.umd.min.js": "text/javascript; charset=utf-8"}  # served at /static/<name>; nothing else
 STORED_RESPONSES_TTL_S = 30 * 24 * 3600.0  # OpenAI keeps a stored response 30 days
 BACKGROUND_UNAVAILABLE_RETRIES = 3  # a background response's tries on a replica that went away, after the first
+BACKGROUND_LEASE_S = 30.0  # a background response's ingress renews its claim every third of this
 _UNAVAILABLE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)  # a replica died or is starting
 _CANCELLED = (TaskCancelledError, RequestCancelledError, asyncio.CancelledError)  # Serve cancels a gone client's call
 
@@ -216,6 +217,10 @@ class AppArgs(BaseModel):
     max_background_responses: int = Field(
         64, ge=0, description="background responses (`background: true`) an ingress replica holds, queued or "
                               "generated; more are refused with 429 and Retry-After (0: background refused)")
+    background_lease_s: float = Field(
+        BACKGROUND_LEASE_S, gt=0, description="an ingress replica generating a background response renews its claim "
+                                              "on it every third of this; one left unrenewed this long (its replica "
+                                              "gone) is marked failed by the next replica that reads it")
 
     @property
     def model_names(self) -> list[str]:
@@ -362,6 +367,11 @@ def _background_retry_s(e: APIError, num_unavailable: int) -> float | None:
     if e.status == 503 and num_unavailable > BACKGROUND_UNAVAILABLE_RETRIES:
         return None
     return float(e.headers["retry-after"])
+
+
+def _lapsed(stored: StoredResponse, now: float) -> bool:
+    """Whether `stored` is a background response whose generator stopped renewing its lease."""
+    return stored.status in RUNNING_STATUSES and stored.lease_until is not None and stored.lease_until < now
 
 
 def _finished_response(response: ResponseObject, out: Chunk, chat: ChatCompletionRequest) -> ResponseObject:
@@ -734,16 +744,19 @@ class OpenAIIngress:
         response = ResponseObject.started(body, f"resp_{uuid.uuid4().hex}", self.model_name, stores)
         conversation = [*history, *body.input_items()]
 
+        def stored_of(done: ResponseObject, lease_until: float | None = None) -> StoredResponse:
+            return StoredResponse(done.model_dump(mode="json", by_alias=True), [
+                *conversation, *(item.model_dump(mode="json") for item in done.output)], lease_until)
+
         async def store(done: ResponseObject) -> None:
             if stores:
-                await self.stored_responses.put(done.id, StoredResponse(done.model_dump(mode="json", by_alias=True), [
-                    *conversation, *(item.model_dump(mode="json") for item in done.output)]))
+                await self.stored_responses.put(done.id, stored_of(done))
 
         messages = [m.as_template_message() for m in chat.messages]
         if body.background:
             queued = response.model_copy(update={"status": "queued"})
-            await store(queued)
-            task = asyncio.create_task(self._respond_in_background(response, chat, messages, store))
+            await self.stored_responses.put(queued.id, stored_of(queued, time.time() + self.args.background_lease_s))
+            task = asyncio.create_task(self._respond_in_background(queued, chat, messages, stored_of))
             self._background[response.id] = task
             task.add_done_callback(lambda _: self._background.pop(response.id, None))
             return queued
@@ -766,18 +779,47 @@ class OpenAIIngress:
         return done
 
     async def _respond_in_background(
-        self, response: ResponseObject, chat: ChatCompletionRequest, messages: list[dict[str, Any]],
-        store: Callable[[ResponseObject], Awaitable[None]],
+        self, queued: ResponseObject, chat: ChatCompletionRequest, messages: list[dict[str, Any]],
+        stored_of: Callable[[ResponseObject, float | None], StoredResponse],
     ) -> None:
-        """Generate a background response and store what became of it: its output, `cancelled`
-        (by POST /v1/responses/{id}/cancel) or `failed` with the error. What the API would tell a
-        client to retry (429: the workers' queue is full; 503: a replica restarts, up to
-        BACKGROUND_UNAVAILABLE_RETRIES times) the ingress retries after Retry-After, the response
-        `queued` meanwhile: a background response waits for room, as OpenAI's do."""
+        """Generate a background response (stored `queued`) and store what became of it: its
+        output, `cancelled` (by POST /v1/responses/{id}/cancel) or `failed` with the error. What
+        the API would tell a client to retry (429: the workers' queue is full; 503: a replica
+        restarts, up to BACKGROUND_UNAVAILABLE_RETRIES times) the ingress retries after
+        Retry-After, the response `queued` meanwhile: a background response waits for room, as
+        OpenAI's do.
+
+        While it runs, its stored copy carries a lease this ingress renews every third of
+        `background_lease_s`, so another replica can tell it from one whose ingress is gone. Every
+        write is conditional on the stored response still running: one that another replica
+        cancelled (or marked failed) stays so, and this one stops generating at its next renewal."""
+        latest = queued  # what the lease renewals store again
+        lease_s = self.args.background_lease_s
+
+        async def write(update: ResponseObject) -> bool:
+            nonlocal latest
+            lease_until = None
+            if update.status in RUNNING_STATUSES:
+                latest, lease_until = update, time.time() + lease_s
+            return await self.stored_responses.put(update.id, stored_of(update, lease_until),
+                                                   if_status=RUNNING_STATUSES)
+
+        generating = asyncio.current_task()
+        assert generating is not None
+
+        async def keep_lease() -> None:
+            while True:
+                await asyncio.sleep(lease_s / 3)
+                if not await write(latest):  # ended elsewhere
+                    generating.cancel()
+                    return
+
+        keeper = asyncio.create_task(keep_lease())
+        in_progress = queued.model_copy(update={"status": "in_progress"})
         unavailable = 0
         try:
             while True:
-                await store(response)  # in_progress
+                await write(in_progress)
                 try:
                     out = (await self._generate(chat, [messages]))[0]
                     break
@@ -785,16 +827,18 @@ class OpenAIIngress:
                     unavailable += e.status == 503
                     if (wait_s := _background_retry_s(e, unavailable)) is None:
                         raise
-                    await store(response.model_copy(update={"status": "queued"}))
+                    await write(queued)
                     await asyncio.sleep(wait_s)
-            await store(_finished_response(response, out, chat))
+            await write(_finished_response(in_progress, out, chat))
         except asyncio.CancelledError:
-            await store(response.model_copy(update={"status": "cancelled"}))
+            await write(queued.model_copy(update={"status": "cancelled"}))
             raise
         except Exception as e:
             error = _as_api_error(e).for_param(responses_param).body.error
-            await store(response.model_copy(update={
+            await write(queued.model_copy(update={
                 "status": "failed", "error": ResponseError(code=error.code or error.type, message=error.message)}))
+        finally:
+            keeper.cancel()
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(self, response_id: str) -> dict[str, Any]:
@@ -803,18 +847,22 @@ class OpenAIIngress:
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(self, response_id: str) -> dict[str, Any]:
         """Cancel a background response still generated: it is stored `cancelled`, and its request
-        leaves the worker. One whose ingress no longer runs it (a restart) is marked cancelled."""
+        leaves the worker. One another ingress replica generates is marked cancelled here, and
+        that replica stops it when it next renews its lease (`_respond_in_background`)."""
         stored = await self._stored(response_id)
-        if (status := stored.response.get("status")) not in RUNNING_STATUSES:
-            raise APIError(400, f"response {response_id!r} is {status}: only a background response still "
+        ended = stored.status not in RUNNING_STATUSES
+        if not ended:
+            task = self._background.get(response_id)
+            if task is not None:
+                task.cancel()
+                await asyncio.wait({task})
+            else:
+                cancelled = StoredResponse({**stored.response, "status": "cancelled"}, stored.conversation)
+                if not await self.stored_responses.put(response_id, cancelled, if_status=RUNNING_STATUSES):
+                    stored, ended = await self._stored(response_id), True  # it ended meanwhile
+        if ended:
+            raise APIError(400, f"response {response_id!r} is {stored.status}: only a background response still "
                                 "generated can be cancelled")
-        task = self._background.get(response_id)
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task})
-        else:
-            await self.stored_responses.put(response_id, StoredResponse(
-                {**stored.response, "status": "cancelled"}, stored.conversation))
         return (await self._stored(response_id)).response
 
     @app.delete("/v1/responses/{response_id}")
@@ -828,8 +876,17 @@ class OpenAIIngress:
         return {"id": response_id, "object": "response", "deleted": True}
 
     async def _stored(self, response_id: str, param: str | None = None) -> StoredResponse:
+        """The stored response; a background response whose ingress stopped renewing its lease
+        (a restart, a crash) is stored `failed` first, as no replica generates it any more."""
         try:
             stored = await self.stored_responses.get(response_id)
+            if stored is not None and response_id not in self._background and _lapsed(stored, time.time()):
+                error = ResponseError(code="server_error", message="the server generating this background response "
+                                                                   "stopped before it finished; send it again")
+                failed = {**stored.response, "status": "failed", "error": error.model_dump()}
+                await self.stored_responses.put(response_id, StoredResponse(failed, stored.conversation),
+                                                if_status=RUNNING_STATUSES)
+                stored = await self.stored_responses.get(response_id)  # failed, or what ended it meanwhile
         except ResponseStoreUnavailable as e:
             raise _store_unavailable(e, param) from None
         if stored is None:

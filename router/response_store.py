@@ -14,6 +14,10 @@ Two backends:
 A stored response keeps its conversation whole (the earlier turns' items, its own input items,
 then its output items), so a request that continues it is its conversation plus the new input:
 the next turn's prompt starts with the last one's, which the target replicas' prefix cache holds.
+
+A write may be conditional on the stored response's status (`put(..., if_status=...)`): a
+background response still generated is ended by whichever write comes first, its generator's or a
+cancel or a failure another ingress replica writes, and the later ones are refused, not stored.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -66,6 +70,22 @@ if excess > 0 then
 end
 touch()
 """
+# put_if: store the response ARGV[4] (JSON ARGV[5], last use ARGV[6]) only where one is stored
+# whose status is one of ARGV[7..]; 1 if stored, else 0
+_PUT_IF_SCRIPT = _EXPIRE + """
+local raw = redis.call('HGET', KEYS[1], ARGV[4])
+if not raw then return 0 end
+local status = cjson.decode(raw)['response']['status']
+for i = 7, #ARGV do
+  if status == ARGV[i] then
+    redis.call('HSET', KEYS[1], ARGV[4], ARGV[5])
+    redis.call('ZADD', KEYS[2], 'XX', ARGV[6], ARGV[4])
+    touch()
+    return 1
+  end
+end
+return 0
+"""
 # get: the response ARGV[4] (nil where there is none), marked used at ARGV[1]
 _GET_SCRIPT = _EXPIRE + """
 local raw = redis.call('HGET', KEYS[1], ARGV[4])
@@ -81,6 +101,18 @@ return raw
 class StoredResponse:
     response: dict[str, Any]  # the response object as it was answered
     conversation: list[dict[str, Any]]  # input items: earlier turns, this request's input, its output
+    # a background response still generated: when its generator's lease lapses (wall-clock
+    # seconds), unless renewed; after that any ingress replica may take it for ended
+    lease_until: float | None = None
+
+    @property
+    def status(self) -> str | None:
+        return self.response.get("status")
+
+
+def _allowed(stored: StoredResponse | None, if_status: Collection[str] | None) -> bool:
+    """Whether a write conditional on the status (`if_status`, None: none) may replace `stored`."""
+    return if_status is None or (stored is not None and stored.status in if_status)
 
 
 @dataclass(frozen=True)
@@ -99,7 +131,10 @@ class ResponseStore(Protocol):
     max_responses: int
     ttl_s: float | None  # None: kept until the bound drops them
 
-    async def put(self, response_id: str, stored: StoredResponse) -> None: ...
+    async def put(self, response_id: str, stored: StoredResponse, *, if_status: Collection[str] | None = None) -> bool:
+        """Store `stored`; with `if_status`, only where a response is stored under the id with one
+        of those statuses. Whether it was stored."""
+        ...
 
     async def get(self, response_id: str) -> StoredResponse | None: ...
 
@@ -128,12 +163,20 @@ class MemoryResponseStore:
         while self._responses and next(iter(self._responses.values())).used_at <= stale_at:
             self._responses.popitem(last=False)
 
-    async def put(self, response_id: str, stored: StoredResponse) -> None:
+    async def put(self, response_id: str, stored: StoredResponse, *, if_status: Collection[str] | None = None) -> bool:
         self._expire()
+        if not _allowed(self.peek(response_id), if_status):
+            return False
         self._responses[response_id] = KeptResponse(stored, self._clock())
         self._responses.move_to_end(response_id)
         while len(self._responses) > self.max_responses:
             self._responses.popitem(last=False)
+        return True
+
+    def peek(self, response_id: str) -> StoredResponse | None:
+        """The stored response, without marking it used."""
+        kept = self._responses.get(response_id)
+        return None if kept is None else kept.stored
 
     async def get(self, response_id: str) -> StoredResponse | None:
         self._expire()
@@ -187,6 +230,7 @@ class RedisResponseStore:
         self._items_key = f"{tag}:responses:v1:items"
         self._used_key = f"{tag}:responses:v1:used"
         self._put_script = client.register_script(_PUT_SCRIPT)
+        self._put_if_script = client.register_script(_PUT_IF_SCRIPT)
         self._get_script = client.register_script(_GET_SCRIPT)
         self._local = MemoryResponseStore(max_responses, ttl_s, clock)  # what Redis could not take
         self._moving = asyncio.Lock()  # held while the local responses move to Redis
@@ -241,16 +285,30 @@ class RedisResponseStore:
             args += [response_id, json.dumps(asdict(response.stored)), response.used_at]
         await self._put_script(keys=[self._items_key, self._used_key], args=args)
 
-    async def put(self, response_id: str, stored: StoredResponse) -> None:
+    async def put(self, response_id: str, stored: StoredResponse, *, if_status: Collection[str] | None = None) -> bool:
+        """While Redis is unreachable, `if_status` is checked against this replica's copy, if it
+        holds one, else the write is kept (Redis may hold what the condition is about)."""
+        local = self._local.peek(response_id)
+        if local is not None and not _allowed(local, if_status):
+            return False
         if self._may_try():
             try:
-                await self._store({response_id: KeptResponse(stored, self._clock())})
+                if if_status is None or local is not None:
+                    await self._store({response_id: KeptResponse(stored, self._clock())})
+                    stored_here = True
+                else:
+                    stored_here = bool(await self._put_if_script(
+                        keys=[self._items_key, self._used_key],
+                        args=[self.max_responses, *self._expiry_args(), response_id, json.dumps(asdict(stored)),
+                              self._clock(), *if_status]))
             except _REDIS_ERRORS as e:
                 self._failed(e)
             else:
+                await self._local.delete(response_id)  # an older copy kept here must not move over this one
                 await self._succeeded()
-                return
+                return stored_here
         await self._local.put(response_id, stored)
+        return True
 
     async def get(self, response_id: str) -> StoredResponse | None:
         local = await self._local.get(response_id)

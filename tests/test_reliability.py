@@ -39,6 +39,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ORIGIN = "https://chat.example"  # the one origin whose pages may call this app
 ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
 BACKGROUND_HELD = 3  # background responses the ingress holds
+BACKGROUND_LEASE_S = 1.5  # renewed every 0.5 s
+RUNNING = ("queued", "in_progress")
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Count: one two three"}], "max_tokens": 8,
         "temperature": 0}
 
@@ -57,7 +59,7 @@ def base_url(tiny_config: EngineConfig, tmp_path_factory: pytest.TempPathFactory
     with serve_tiny_app(tiny_config, tmp_path_factory.mktemp("serve"), MODEL, api_key=API_KEY, admin_token=ADMIN,
                         max_request_bytes=MAX_BODY, max_ongoing_requests=1, max_queued_requests=1,
                         stats_url=redis_server.url, stats_prefix="reliability", responses_url=redis_server.url,
-                        max_background_responses=BACKGROUND_HELD,
+                        max_background_responses=BACKGROUND_HELD, background_lease_s=BACKGROUND_LEASE_S,
                         allowed_origins=[ORIGIN]) as url:
         yield url
 
@@ -403,6 +405,54 @@ def test_background_responses_wait_for_room_and_past_their_bound_are_429(base_ur
         == (0, BACKGROUND_HELD)
 
 
+def test_a_background_response_ended_elsewhere_stops_and_one_whose_ingress_is_gone_fails(
+        base_url: str, redis_server: ThrowawayRedis) -> None:
+    """Another ingress replica (a store on the same Redis) cancels a background response this one
+    generates: it stays `cancelled` and this one stops its request at its next lease renewal. A
+    running response whose lease lapsed (its ingress gone) reads `failed`; one whose lease holds
+    stays running, and a cancel marks it cancelled."""
+    import asyncio
+
+    from router.response_store import RedisResponseStore, StoredResponse
+
+    def other() -> RedisResponseStore:  # an async client lives in one event loop: a store per asyncio.run
+        return RedisResponseStore(redis_server.url, 1000, prefix="reliability")
+
+    def stored(response_id: str) -> StoredResponse:
+        return asyncio.run(other().get(response_id))
+
+    def read(response_id: str) -> dict:
+        return requests.get(f"{base_url}/v1/responses/{response_id}", headers=AUTH, timeout=30).json()
+
+    aborted = _num_finished(base_url, "abort")
+    body = {"model": MODEL, "input": "Long:", "max_output_tokens": 960, "temperature": 0, "ignore_eos": True,
+            "speculation": {"drafter": "none"}, "background": True}
+    response_id = _post(base_url, "/v1/responses", body).json()["id"]
+    wait_for(lambda: stored(response_id).status == "in_progress", "the background response to start", 30, every_s=0.05)
+    first = stored(response_id).lease_until
+    assert time.time() < first <= time.time() + BACKGROUND_LEASE_S, first
+    wait_for(lambda: stored(response_id).lease_until > first, "its lease renewed", 10, every_s=0.05)
+    running = stored(response_id)
+    cancelled = StoredResponse({**running.response, "status": "cancelled"}, running.conversation)
+    assert asyncio.run(other().put(response_id, cancelled, if_status=RUNNING)), "it had finished: make it longer"
+    wait_for(lambda: _observe(base_url)["background_responses"]["num_held"] == 0, "the ingress to stop it", 30)
+    wait_for(lambda: _num_finished(base_url, "abort") == aborted + 1, "the worker to abort its request", 30)
+    assert read(response_id)["status"] == "cancelled" and stored(response_id) == cancelled  # not overwritten
+
+    now = time.time()
+    for name, lease_until in (("resp_gone", now - 1), ("resp_alive", now + 600)):
+        asyncio.run(other().put(name, StoredResponse({"id": name, "object": "response", "status": "in_progress"}, [],
+                                                   lease_until)))
+    gone = read("resp_gone")
+    assert gone["status"] == "failed" and gone["error"]["code"] == "server_error", gone
+    assert stored("resp_gone").lease_until is None
+    r = _post(base_url, "/v1/responses/resp_gone/cancel", {})
+    assert r.status_code == 400 and "failed" in r.json()["error"]["message"], r.text
+    assert read("resp_alive")["status"] == "in_progress"
+    r = _post(base_url, "/v1/responses/resp_alive/cancel", {})
+    assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+
+
 def test_queue_time_counts_the_wait_for_a_replica(base_url: str) -> None:
     """With one request slot a replica, a second request waits in Serve's queue while the first
     runs: vLLM's request_queue_time_seconds counts that wait (from the ingress's receipt to the
@@ -597,6 +647,12 @@ def test_killed_replica_ends_in_flight_cleanly_and_new_requests_succeed(base_url
 
 
 # -- helpers -----------------------------------------------------------------------------------------
+def _num_finished(base_url: str, reason: str) -> float:
+    fams = {f.name: f.samples for f in text_string_to_metric_families(
+        requests.get(f"{base_url}/metrics", timeout=30).text)}
+    return next((s.value for s in fams["specroute_request_success"] if s.labels["finished_reason"] == reason), 0.0)
+
+
 def _observe(base_url: str) -> dict:
     r = requests.get(f"{base_url}/v1/stats", timeout=30)
     r.raise_for_status()

@@ -118,6 +118,29 @@ def test_a_response_unused_for_the_ttl_is_dropped_and_each_use_renews_it(kind: s
         client.close()
 
 
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_a_write_conditional_on_the_status_replaces_only_those(kind: str, prefix: str) -> None:
+    """A background response is ended by the first of its writers: its generator, or a cancel
+    through another replica; the later write is refused."""
+    running = ("queued", "in_progress")
+
+    def response(status: str, lease_until: float | None = None) -> StoredResponse:
+        return StoredResponse({"id": "a", "status": status}, [{"role": "user", "content": "é"}], lease_until)
+
+    async def run() -> None:
+        one, other = _stores(kind, 10, prefix)
+        assert not await one.put("a", response("in_progress"), if_status=running) and await one.get("a") is None
+        await one.put("a", response("queued", 100.5))
+        assert await other.put("a", response("in_progress", 130.5), if_status=running)
+        assert (await one.get("a")).lease_until == 130.5
+        assert await other.put("a", response("cancelled"), if_status=running)
+        assert not await one.put("a", response("completed"), if_status=running)
+        assert await one.get("a") == response("cancelled")
+        assert await one.put("a", response("completed")) and (await other.get("a")).status == "completed"
+
+    asyncio.run(run())
+
+
 def test_a_stats_reset_leaves_the_stored_responses(prefix: str) -> None:
     _redis_or_skip()
     store = RedisResponseStore(REDIS_URL, 10, prefix=prefix)
@@ -158,10 +181,12 @@ def test_responses_kept_in_the_replica_move_to_redis_when_it_answers_again(tmp_p
             await store.put("a", _stored("a", 2))
             await store.put("b", _stored("b"))
             assert store.health().num_local == 2 and not store.health().connected
+            assert not await store.put("b", StoredResponse({"status": "in_progress"}, []), if_status=["queued"])
             server.start()
-            await store.put("after", _stored("after"))  # reaches Redis, and moves a and b there
+            await store.put("b", _stored("b", 1))  # reaches Redis and moves a there, not b's older copy
             assert store.health() == ResponseStoreHealth("redis", connected=True, num_errors=2, num_local=0)
-            for name, turns in (("before", 0), ("a", 2), ("b", 0), ("after", 0)):
+            await store.put("after", _stored("after"))
+            for name, turns in (("before", 0), ("a", 2), ("b", 1), ("after", 0)):
                 assert await other.get(name) == _stored(name, turns)
             assert await store.delete("a") and await other.get("a") is None  # deleted in Redis
 
