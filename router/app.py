@@ -18,9 +18,9 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -68,12 +68,15 @@ from router.replica_affinity import DEFAULT_MAX_IMBALANCE, PrefixAffinityRouter
 from router.response_store import ResponseStoreUnavailable, StoredResponse, make_response_store
 from router.responses import (
     RUNNING_STATUSES,
+    InputItemList,
     ResponseError,
     ResponseEvents,
     ResponseObject,
     ResponsesRequest,
+    input_item_list,
     output_items,
     responses_param,
+    with_item_ids,
 )
 from router.schemas import (
     AssistantMessage,
@@ -742,7 +745,7 @@ class OpenAIIngress:
         except RequestFieldError as e:
             raise APIError(400, str(e), e.param) from None
         response = ResponseObject.started(body, f"resp_{uuid.uuid4().hex}", self.model_name, stores)
-        conversation = [*history, *body.input_items()]
+        conversation = [*history, *with_item_ids(body.input_items())]
 
         def stored_of(done: ResponseObject, lease_until: float | None = None) -> StoredResponse:
             return StoredResponse(done.model_dump(mode="json", by_alias=True), [
@@ -843,6 +846,19 @@ class OpenAIIngress:
     @app.get("/v1/responses/{response_id}")
     async def get_response(self, response_id: str) -> dict[str, Any]:
         return (await self._stored(response_id)).response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(
+        self, response_id: str, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        order: Literal["asc", "desc"] = "desc",
+    ) -> InputItemList:
+        """The items a stored response was generated from, OpenAI's pages of them (the newest
+        first by default)."""
+        stored = await self._stored(response_id)
+        try:
+            return input_item_list(stored.conversation, len(stored.response.get("output") or []), after, limit, order)
+        except ValueError as e:
+            raise APIError(400, str(e), "after") from None
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(self, response_id: str) -> dict[str, Any]:

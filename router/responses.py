@@ -285,6 +285,57 @@ def responses_param(chat_param: str) -> str:
     return _FIELD_OF_CHAT.get(chat_param, chat_param)
 
 
+# -- input items -----------------------------------------------------------------------------
+_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def with_item_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`items`, each with an id (a new one where it came without), as OpenAI names every input
+    item: what GET /v1/responses/{id}/input_items pages by."""
+    return [item if item.get("id") else {**item, "id": f"{_ITEM_ID_PREFIX[_item_type(item)]}_{uuid.uuid4().hex}"}
+            for item in items]
+
+
+class InputItemList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+def input_item_list(conversation: list[dict[str, Any]], num_output: int, after: str | None, limit: int,
+                    order: Literal["asc", "desc"]) -> InputItemList:
+    """A stored response's input items: its conversation before its own `num_output` output
+    items, the earlier turns included (they made its prompt), in `order` (desc: the newest first),
+    `limit` of them after the item `after`. A ValueError where no item is `after`."""
+    items = [_listed(item, i) for i, item in enumerate(conversation[: len(conversation) - num_output])]
+    if order == "desc":
+        items.reverse()
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise ValueError(f"after: no input item {after!r} in this response")
+        start = ids.index(after) + 1
+    page = items[start : start + limit]
+    return InputItemList(data=page, first_id=page[0]["id"] if page else None,
+                         last_id=page[-1]["id"] if page else None, has_more=start + limit < len(items))
+
+
+def _listed(item: dict[str, Any], index: int) -> dict[str, Any]:
+    """A stored item as OpenAI lists it: a message with its text as a content part and a status;
+    one stored without an id named by its place."""
+    if not item.get("id"):
+        item = {**item, "id": f"item_{index}"}
+    if _item_type(item) != "message":
+        return item
+    content = item["content"]
+    if isinstance(content, str):
+        content = [{"type": "output_text" if item["role"] == "assistant" else "input_text", "text": content}]
+    return {**item, "type": "message", "content": content, "status": item.get("status") or "completed"}
+
+
 # -- responses -------------------------------------------------------------------------------
 class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"

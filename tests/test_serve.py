@@ -861,6 +861,37 @@ def test_responses_are_stored_continued_read_and_deleted(client, base_url: str) 
     assert requests.delete(f"{base_url}/v1/responses/{first.id}", timeout=30).status_code == 404
 
 
+def test_a_responses_input_items_are_listed_in_pages(client, base_url: str) -> None:
+    """GET /v1/responses/{id}/input_items lists the items a response was generated from, the earlier
+    turns included, the newest first unless asked otherwise, in pages the SDK follows; an item
+    keeps its id from one turn to the next."""
+    common = {"model": MODEL, "max_output_tokens": 4, "temperature": 0}
+    first = client.responses.create(input="Count: one two three", **common)
+    follow = client.responses.create(previous_response_id=first.id, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Again"}]},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}], **common)
+    [asked] = client.responses.input_items.list(first.id).data
+    assert (asked.type, asked.role, asked.content[0].type, asked.content[0].text) == (
+        "message", "user", "input_text", "Count: one two three")
+    items = list(client.responses.input_items.list(follow.id, order="asc", limit=2))  # the SDK pages through
+    assert [item.type for item in items] == ["message", "message", "message", "function_call_output"]
+    assert items[0].id == asked.id and items[1].id == first.output[0].id and items[1].content[0].text == \
+        first.output_text
+    assert (items[2].content[0].text, items[3].output) == ("Again", "18 C")
+    assert len({item.id for item in items}) == 4
+    newest = client.responses.input_items.list(follow.id, limit=3)
+    assert [item.id for item in newest.data] == [item.id for item in items[:0:-1]] and newest.has_more
+    r = requests.get(f"{base_url}/v1/responses/{follow.id}/input_items", params={"after": items[1].id}, timeout=30)
+    assert r.status_code == 200 and [i["id"] for i in r.json()["data"]] == [items[0].id], r.text
+    assert (r.json()["first_id"], r.json()["last_id"], r.json()["has_more"]) == (items[0].id, items[0].id, False)
+    for params, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "up"}, "order"),
+                          ({"after": "msg_nope"}, "after")):
+        r = requests.get(f"{base_url}/v1/responses/{follow.id}/input_items", params=params, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = requests.get(f"{base_url}/v1/responses/resp_nope/input_items", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+
+
 def test_a_background_response_is_polled_and_one_still_generated_is_cancelled(client, base_url: str) -> None:
     """`background: true` answers at once, `queued`, and generates meanwhile: GET then reads what
     a synchronous request answers. One cancelled while it is generated is stored `cancelled` and
