@@ -883,12 +883,16 @@ class OpenAIIngress:
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str) -> dict[str, Any]:
+        """Forget a stored response. One still generated stops: here at once, on another ingress
+        replica at its next lease renewal (its record gone, its writes are refused)."""
         try:
             deleted = await self.stored_responses.delete(response_id)
         except ResponseStoreUnavailable as e:
             raise _store_unavailable(e) from None
         if not deleted:
             raise self._no_response(response_id)
+        if (task := self._background.get(response_id)) is not None:
+            task.cancel()
         return {"id": response_id, "object": "response", "deleted": True}
 
     async def _stored(self, response_id: str, param: str | None = None) -> StoredResponse:

@@ -895,7 +895,8 @@ def test_a_responses_input_items_are_listed_in_pages(client, base_url: str) -> N
 def test_a_background_response_is_polled_and_one_still_generated_is_cancelled(client, base_url: str) -> None:
     """`background: true` answers at once, `queued`, and generates meanwhile: GET then reads what
     a synchronous request answers. One cancelled while it is generated is stored `cancelled` and
-    leaves the worker (an abort); a finished one cannot be cancelled, nor continued while running."""
+    leaves the worker (an abort), as one deleted does; a finished one cannot be cancelled, nor
+    continued while running."""
     common = {"model": MODEL, "input": "Count: one two three", "max_output_tokens": 8, "temperature": 0,
               "extra_body": {"ignore_eos": True}}
     queued = client.responses.create(background=True, **common)
@@ -917,6 +918,12 @@ def test_a_background_response_is_polled_and_one_still_generated_is_cancelled(cl
     assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
     assert client.responses.retrieve(running.id).status == "cancelled"
     wait_for(lambda: _num_finished(base_url, "abort") == aborted + 1, "the worker to abort the request", 30)
+    deleted = client.responses.create(background=True, model=MODEL, input="Long:", max_output_tokens=900,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    client.responses.delete(deleted.id)  # one still generated stops as well
+    wait_for(lambda: _num_finished(base_url, "abort") == aborted + 2, "the worker to abort the deleted one", 30)
+    r = requests.get(f"{base_url}/v1/responses/{deleted.id}", timeout=30)
+    assert r.status_code == 404, r.text
 
 
 @pytest.mark.parametrize(("body", "param"), [
