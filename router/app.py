@@ -822,7 +822,8 @@ class OpenAIIngress:
         unavailable = 0
         try:
             while True:
-                await write(in_progress)
+                if not await write(in_progress):
+                    return  # ended elsewhere before it started
                 try:
                     out = (await self._generate(chat, [messages]))[0]
                     break
