@@ -39,7 +39,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ORIGIN = "https://chat.example"  # the one origin whose pages may call this app
 ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
 BACKGROUND_HELD = 3  # background responses the ingress holds
-BACKGROUND_LEASE_S = 1.5  # renewed every 0.5 s
+BACKGROUND_LEASE_S = 0.9  # renewed every 0.3 s
 RUNNING = ("queued", "in_progress")
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Count: one two three"}], "max_tokens": 8,
         "temperature": 0}
