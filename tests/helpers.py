@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+import requests
 import torch
 import yaml
 from scipy.stats import chisquare
@@ -111,6 +112,15 @@ def _answers(client: redis.Redis) -> bool:
         return bool(client.ping())
     except redis.RedisError:
         return False
+
+
+def num_finished(base_url: str, reason: str) -> float:
+    """The app's requests finished for `reason` (vLLM's request_success_total{finished_reason}), from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{base_url}/metrics", timeout=30).text
+    (family,) = (f for f in text_string_to_metric_families(text) if f.name == "specroute_request_success")
+    return next((s.value for s in family.samples if s.labels["finished_reason"] == reason), 0.0)
 
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0, every_s: float = 0.025) -> None:

@@ -20,7 +20,7 @@ import pytest
 import requests
 import schemathesis
 import yaml
-from helpers import ThrowawayRedis, serve_tiny_app, throwaway_redis_server, wait_for
+from helpers import ThrowawayRedis, num_finished, serve_tiny_app, throwaway_redis_server, wait_for
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from prometheus_client.parser import text_string_to_metric_families
@@ -424,7 +424,7 @@ def test_a_background_response_ended_elsewhere_stops_and_one_whose_ingress_is_go
     def read(response_id: str) -> dict:
         return requests.get(f"{base_url}/v1/responses/{response_id}", headers=AUTH, timeout=30).json()
 
-    aborted = _num_finished(base_url, "abort")
+    aborted = num_finished(base_url, "abort")
     body = {"model": MODEL, "input": "Long:", "max_output_tokens": 960, "temperature": 0, "ignore_eos": True,
             "speculation": {"drafter": "none"}, "background": True}
     response_id = _post(base_url, "/v1/responses", body).json()["id"]
@@ -436,7 +436,7 @@ def test_a_background_response_ended_elsewhere_stops_and_one_whose_ingress_is_go
     cancelled = StoredResponse({**running.response, "status": "cancelled"}, running.conversation)
     assert asyncio.run(other().put(response_id, cancelled, if_status=RUNNING)), "it had finished: make it longer"
     wait_for(lambda: _observe(base_url)["background_responses"]["num_held"] == 0, "the ingress to stop it", 30)
-    wait_for(lambda: _num_finished(base_url, "abort") == aborted + 1, "the worker to abort its request", 30)
+    wait_for(lambda: num_finished(base_url, "abort") == aborted + 1, "the worker to abort its request", 30)
     assert read(response_id)["status"] == "cancelled" and stored(response_id) == cancelled  # not overwritten
 
     now = time.time()
@@ -647,12 +647,6 @@ def test_killed_replica_ends_in_flight_cleanly_and_new_requests_succeed(base_url
 
 
 # -- helpers -----------------------------------------------------------------------------------------
-def _num_finished(base_url: str, reason: str) -> float:
-    fams = {f.name: f.samples for f in text_string_to_metric_families(
-        requests.get(f"{base_url}/metrics", timeout=30).text)}
-    return next((s.value for s in fams["specroute_request_success"] if s.labels["finished_reason"] == reason), 0.0)
-
-
 def _observe(base_url: str) -> dict:
     r = requests.get(f"{base_url}/v1/stats", timeout=30)
     r.raise_for_status()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
-from helpers import serve_tiny_app, wait_for
+from helpers import num_finished, serve_tiny_app, wait_for
 
 from workers.config import EngineConfig, PredictionDrafterConfig
 
@@ -908,7 +908,7 @@ def test_a_background_response_is_polled_and_one_still_generated_is_cancelled(cl
     r = requests.post(f"{base_url}/v1/responses/{done.id}/cancel", timeout=30)
     assert r.status_code == 400 and "incomplete" in r.json()["error"]["message"], r.text
 
-    aborted = _num_finished(base_url, "abort")
+    aborted = num_finished(base_url, "abort")
     running = client.responses.create(background=True, model=MODEL, input="Long:", max_output_tokens=900,
                                        temperature=0, extra_body={"ignore_eos": True})
     r = requests.post(f"{base_url}/v1/responses", json={"model": MODEL, "input": "x",
@@ -917,11 +917,11 @@ def test_a_background_response_is_polled_and_one_still_generated_is_cancelled(cl
     r = requests.post(f"{base_url}/v1/responses/{running.id}/cancel", timeout=30)
     assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
     assert client.responses.retrieve(running.id).status == "cancelled"
-    wait_for(lambda: _num_finished(base_url, "abort") == aborted + 1, "the worker to abort the request", 30)
+    wait_for(lambda: num_finished(base_url, "abort") == aborted + 1, "the worker to abort the request", 30)
     deleted = client.responses.create(background=True, model=MODEL, input="Long:", max_output_tokens=900,
                                        temperature=0, extra_body={"ignore_eos": True})
     client.responses.delete(deleted.id)  # one still generated stops as well
-    wait_for(lambda: _num_finished(base_url, "abort") == aborted + 2, "the worker to abort the deleted one", 30)
+    wait_for(lambda: num_finished(base_url, "abort") == aborted + 2, "the worker to abort the deleted one", 30)
     r = requests.get(f"{base_url}/v1/responses/{deleted.id}", timeout=30)
     assert r.status_code == 404, r.text
 
@@ -1128,7 +1128,7 @@ def test_client_disconnect_frees_the_request(base_url: str) -> None:
 
     worker = serve.get_deployment_handle("TargetWorker", app_name="specroute")
     before = worker.status.remote().result()
-    aborted = _num_finished(base_url, "abort")
+    aborted = num_finished(base_url, "abort")
     body = {"model": MODEL, "prompt": "Long:", "stream": True, "max_tokens": 900, "temperature": 0,
             "ignore_eos": True, "speculation": {"drafter": "none"}}
     with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=60) as r:
@@ -1141,7 +1141,7 @@ def test_client_disconnect_frees_the_request(base_url: str) -> None:
         time.sleep(0.2)
     assert status["num_cancelled"] == before["num_cancelled"] + 1, status
     assert status["num_finished"] == before["num_finished"] and status["num_active"] == 0
-    assert _num_finished(base_url, "abort") == aborted + 1  # vLLM's request_success_total{finished_reason}
+    assert num_finished(base_url, "abort") == aborted + 1  # vLLM's request_success_total{finished_reason}
     assert " -- Cancelled request: the client went away" in _worker_log()
 
 
@@ -1216,14 +1216,6 @@ def test_any_origin_may_call_by_default(base_url: str) -> None:
     r = requests.post(url, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60,
                       headers={"Origin": "https://notebook.example"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
-
-
-def _num_finished(base_url: str, reason: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = requests.get(f"{base_url}/metrics", timeout=30).text
-    (family,) = (f for f in text_string_to_metric_families(text) if f.name == "specroute_request_success")
-    return next(s.value for s in family.samples if s.labels["finished_reason"] == reason)
 
 
 # -- errors ------------------------------------------------------------------------------------------
