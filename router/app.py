@@ -735,7 +735,7 @@ class OpenAIIngress:
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             previous = await self._stored(body.previous_response_id, "previous_response_id")
-            if (status := previous.response.get("status")) in RUNNING_STATUSES:
+            if (status := previous.status) in RUNNING_STATUSES:
                 raise APIError(400, f"previous_response_id: response {body.previous_response_id!r} is still "
                                     f"{status}", "previous_response_id")
             history = previous.conversation
@@ -904,10 +904,10 @@ class OpenAIIngress:
             if stored is not None and response_id not in self._background and _lapsed(stored, time.time()):
                 error = ResponseError(code="server_error", message="the server generating this background response "
                                                                    "stopped before it finished; send it again")
-                failed = {**stored.response, "status": "failed", "error": error.model_dump()}
-                await self.stored_responses.put(response_id, StoredResponse(failed, stored.conversation),
-                                                if_status=RUNNING_STATUSES)
-                stored = await self.stored_responses.get(response_id)  # failed, or what ended it meanwhile
+                failed = StoredResponse({**stored.response, "status": "failed", "error": error.model_dump()},
+                                        stored.conversation)
+                ended_here = await self.stored_responses.put(response_id, failed, if_status=RUNNING_STATUSES)
+                stored = failed if ended_here else await self.stored_responses.get(response_id)  # ended meanwhile
         except ResponseStoreUnavailable as e:
             raise _store_unavailable(e, param) from None
         if stored is None:
